@@ -1,0 +1,19 @@
+"""fsdp_compose: fully sharded data parallelism by hooks, composable with plain PyTorch.
+
+``fully_shard(module)`` shards a module's parameters on dim 0 across ranks (as DTensors),
+all-gathers them just before use and reduce-scatters their gradients. Code written for
+``torch.distributed.fsdp.fully_shard`` runs after changing the import.
+"""
+
+from .api import fully_shard
+from .module import FSDPModule, UnshardHandle
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = [
+    "fully_shard",
+    "FSDPModule",
+    "UnshardHandle",
+    "MixedPrecisionPolicy",
+    "OffloadPolicy",
+    "CPUOffloadPolicy",
+]

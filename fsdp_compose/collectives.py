@@ -1,0 +1,97 @@
+"""Batched collectives: one all-gather and one reduce-scatter per group.
+
+Copy-in concatenates every (padded) local shard, viewed as bytes, into one flat buffer, so a
+group whose parameters have different dtypes still needs one all-gather; copy-out splits the
+gathered ``(world, total_bytes)`` buffer into each parameter's unsharded storage with one kernel.
+Collectives are issued with ``async_op=True`` and waited on only where the data is needed, so
+on gloo the transfer overlaps the main thread's compute.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+
+
+@dataclass
+class CommStats:
+    """Collectives issued by one group: for tests, ``explain`` and the benchmark."""
+
+    all_gathers: int = 0
+    all_gather_bytes: int = 0
+    reduce_scatters: int = 0
+    reduce_scatter_bytes: int = 0
+
+
+@dataclass
+class PendingCollective:
+    """An issued collective; ``finish`` waits and runs the copy-out once."""
+
+    work: object
+    on_done: Callable[[], None]
+    done: bool = False
+
+    def finish(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.work is not None:
+            self.work.wait()
+        self.on_done()
+
+
+@dataclass
+class GatherLayout:
+    """Column widths (in bytes) of each parameter inside one group's flat buffer."""
+
+    sizes: list[int]
+    world_size: int
+    total: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.total = sum(self.sizes)
+
+
+def all_gather_flat(
+    pieces: list[torch.Tensor], layout: GatherLayout, group, stats: CommStats
+) -> tuple[object, torch.Tensor]:
+    """Start one all-gather of the concatenated pieces; return (work, (world, total) output)."""
+    flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+    output = flat.new_empty(layout.world_size * flat.numel())
+    stats.all_gathers += 1
+    stats.all_gather_bytes += output.numel() * output.element_size()
+    work = _all_gather(output, flat, group, async_op=True)
+    return work, output.view(layout.world_size, -1)
+
+
+def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.Tensor]) -> None:
+    """Split the gathered columns into each parameter's (world, padded) target."""
+    if gathered.shape[1] != layout.total:
+        gathered = gathered[:, : layout.total]
+    if len(targets) == 1:
+        targets[0].copy_(gathered)
+    else:
+        torch.split_with_sizes_copy(gathered, layout.sizes, dim=1, out=targets)
+
+
+def reduce_scatter_rows(rows: list[torch.Tensor], group, stats: CommStats) -> tuple[object, torch.Tensor]:
+    """Start one reduce-scatter (sum) of column blocks; rank r receives row r."""
+    table = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()
+    output = table.new_empty(table.shape[1])
+    stats.reduce_scatters += 1
+    stats.reduce_scatter_bytes += table.numel() * table.element_size()
+    work = _reduce_scatter(output, table.view(-1), group, async_op=True)
+    return work, output

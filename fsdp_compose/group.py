@@ -1,0 +1,124 @@
+"""ParamGroup: the parameters of one ``fully_shard`` call, unsharded and reduced as a unit."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from .collectives import (
+    CommStats,
+    GatherLayout,
+    PendingCollective,
+    all_gather_flat,
+    copy_out,
+    reduce_scatter_rows,
+)
+from .params import ShardedParam
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class ParamGroup:
+    """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
+
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, device: torch.device) -> None:
+        self.params = params
+        self.trainable = [p for p in params if p.requires_grad]
+        self.mesh = mesh
+        self.device = device
+        self.world_size = mesh.size()
+        self.process_group = mesh.get_group()
+        self.layout = GatherLayout(
+            [p.padded_numel * p.sharded_param.element_size() for p in params], self.world_size
+        )
+        self.stats = CommStats()
+        self.is_unsharded = False
+        self.pending_unshard: PendingCollective | None = None
+        self.pending_reduces: list[PendingCollective] = []
+
+    # ----- unshard / reshard ------------------------------------------------------------
+    def start_unshard(self) -> None:
+        """Issue the all-gather unless the group is unsharded or one is in flight."""
+        if self.is_unsharded or self.pending_unshard is not None or not self.params:
+            if not self.params:
+                self.is_unsharded = True
+            return
+        with torch.no_grad():
+            pieces = [as_bytes(piece) for p in self.params for piece in p.padded_local_pieces()]
+            work, gathered = all_gather_flat(pieces, self.layout, self.process_group, self.stats)
+        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered))
+
+    def _finish_unshard(self, gathered: torch.Tensor) -> None:
+        with torch.no_grad():
+            targets = [p.alloc_unsharded(self.device).view(torch.uint8) for p in self.params]
+            copy_out(gathered, self.layout, targets)
+        for p in self.params:
+            p.use(unsharded=True)
+        self.is_unsharded = True
+
+    def wait_unshard(self) -> None:
+        pending, self.pending_unshard = self.pending_unshard, None
+        if pending is not None:
+            pending.finish()
+
+    def unshard(self) -> None:
+        self.start_unshard()
+        self.wait_unshard()
+
+    def reshard(self) -> None:
+        """Free the unsharded storage and register the sharded DTensors again."""
+        if self.pending_unshard is not None:
+            self.wait_unshard()
+        if not self.is_unsharded:
+            return
+        for p in self.params:
+            p.use(unsharded=False)
+            p.free_unsharded()
+        self.is_unsharded = False
+
+    def unsharded_nbytes(self) -> int:
+        return sum(p.unsharded_nbytes() for p in self.params)
+
+    # ----- gradients --------------------------------------------------------------------
+    def has_unsharded_grads(self) -> bool:
+        return any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in self.trainable)
+
+    def start_reduce(self) -> None:
+        """Reduce-scatter every trainable parameter's unsharded gradient, one collective per dtype.
+
+        Parameters without a gradient on this rank send zeros, plus a flag, so ranks always
+        issue the same collectives; a parameter no rank produced a gradient for keeps
+        ``.grad`` as it was (``None`` for a fresh step), exactly like an unsharded model.
+        """
+        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+        for p in self.trainable:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        with torch.no_grad():
+            for dtype, params in by_dtype.items():
+                grads = [p.unsharded_param.grad if p.unsharded_param is not None else None for p in params]
+                rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
+                flags = torch.tensor([g is not None for g in grads], dtype=dtype, device=self.device)
+                rows.append(flags.expand(self.world_size, -1))
+                for p in params:
+                    if p.unsharded_param is not None:
+                        p.unsharded_param.grad = None
+                work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats)
+                self.pending_reduces.append(PendingCollective(work, partial(self._finish_reduce, params, reduced)))
+
+    def _finish_reduce(self, params: list[ShardedParam], reduced: torch.Tensor) -> None:
+        reduced.div_(self.world_size)
+        received = reduced[-len(params):].tolist()
+        offset = 0
+        for p, flag in zip(params, received):
+            if flag > 0:
+                p.accumulate_grad(reduced[offset : offset + p.local_numel])
+            offset += p.padded_numel
+
+    def wait_reduces(self) -> None:
+        pending, self.pending_reduces = self.pending_reduces, []
+        for collective in pending:
+            collective.finish()

@@ -1,0 +1,1 @@
+"""Hook functions of (state, module, args): forward in ``forward``, backward in ``backward``."""

@@ -1,0 +1,89 @@
+"""Backward hooks: pre-backward on forward outputs, post-backward per group, the root's final callback.
+
+A group's post-backward runs once both (a) every trainable parameter's gradient was accumulated
+and (b) every forward call's grad-requiring inputs got their gradient, which means no autograd
+node inside the module still needs the unsharded (frozen or trainable) weights. Groups that
+never meet both (unused parameters, frozen subtrees, inputs that need no grad) are finished by
+the root's end-of-backward callback.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..state import GroupState, RootState
+
+
+class PostBackwardSignal(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs when their gradients are ready."""
+
+    @staticmethod
+    def forward(ctx, state: GroupState, *tensors: torch.Tensor):
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        state = ctx.state
+        state.inputs_pending -= 1
+        maybe_post_backward(state)
+        return (None, *grads)
+
+
+def queue_end_of_backward(root: RootState) -> None:
+    if root.in_backward:
+        return
+    root.in_backward = True
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(root))
+
+
+def pre_backward(state: GroupState) -> None:
+    queue_end_of_backward(state.root)
+    if state.pre_backward_done:
+        return
+    state.pre_backward_done = True
+    state.group.unshard()
+
+
+def on_grad_accumulated(state: GroupState, index: int) -> None:
+    """Post-accumulate-grad hook of the unsharded parameter ``index`` of the group."""
+    if state.root is not None:
+        queue_end_of_backward(state.root)
+    state.grads_ready.add(index)
+    maybe_post_backward(state)
+
+
+def maybe_post_backward(state: GroupState) -> None:
+    if state.post_backward_done or state.inputs_pending > 0:
+        return
+    if len(state.grads_ready) < len(state.group.trainable):
+        return
+    post_backward(state)
+
+
+def post_backward(state: GroupState) -> None:
+    """Reduce-scatter the group's gradients (or keep them, without sync), then reshard."""
+    if state.post_backward_done:
+        return
+    state.post_backward_done = True
+    group = state.group
+    if group.trainable and state.requires_gradient_sync:
+        group.start_reduce()
+    if state.reshard_after_backward:
+        group.reshard()
+
+
+def end_of_backward(root: RootState) -> None:
+    """Finish the groups backward left open, wait for reductions, reset for the next step."""
+    for state in root.states:
+        participated = state.ran_forward_with_grad or state.pre_backward_done or state.grads_ready
+        if participated and not state.post_backward_done:
+            post_backward(state)
+        elif state.group.is_unsharded and state.reshard_after_backward:
+            state.group.reshard()
+    if root.root_state.is_last_backward:
+        for state in root.states:
+            state.group.wait_reduces()
+    for state in root.states:
+        state.reset_backward()
+    root.in_backward = False

@@ -1,0 +1,83 @@
+"""Pre- and post-forward hooks, and the root's lazy initialization."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from ..state import GroupState, RootState, state_of
+from .backward import PostBackwardSignal, pre_backward
+
+
+def lazy_init(state: GroupState, module: nn.Module) -> None:
+    """Make ``module`` the root of every group in its subtree.
+
+    Everything that can fail runs before anything is assigned, so a failed first forward
+    leaves the model as it was and a second try can succeed.
+    """
+    found = [(name, s) for name, m in module.named_modules() if (s := state_of(m)) is not None and s.module is m]
+    param_names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    for name, s in found:
+        for p in s.group.params:
+            if p.sharded_param.device.type == "meta":
+                fqn = param_names.get(id(p.sharded_param), p.fqn)
+                raise RuntimeError(
+                    f"Parameter '{fqn}' of module '{name or '<root>'}' ({type(s.module).__name__}) "
+                    "is still on the meta device at the first forward; materialize it first, e.g. "
+                    "module.to_empty(device=...) then reset_parameters()"
+                )
+    root = RootState(root_state=state, states=[s for _, s in found])
+    for name, s in found:
+        s.root = root
+        s.fqn = name
+        for p in s.group.params:
+            p.fqn = param_names.get(id(p.sharded_param), p.fqn)
+
+
+def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Route grad-requiring inputs through an identity whose backward tells us the module is done."""
+    flat, spec = tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return args, kwargs
+    outputs = PostBackwardSignal.apply(state, *(flat[i] for i in positions))
+    for i, out in zip(positions, outputs):
+        flat[i] = out
+    state.inputs_pending += 1
+    return tree_unflatten(flat, spec)
+
+
+def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    if state.root is None:
+        lazy_init(state, module)
+    root = state.root
+    if root.in_backward:  # activation-checkpoint recomputation: just make the data available
+        state.group.unshard()
+        return args, kwargs
+    if state.is_root:
+        for s in root.states:  # reductions a non-last backward left in flight
+            s.group.wait_reduces()
+    state.group.unshard()
+    if torch.is_grad_enabled():
+        state.ran_forward_with_grad = True
+        args, kwargs = attach_post_backward_signal(state, args, kwargs)
+    return args, kwargs
+
+
+def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any) -> Any:
+    root = state.root
+    if root.in_backward:
+        return output
+    if not torch.is_grad_enabled():
+        state.group.reshard()
+        return output
+    if state.reshard_after_forward and not state.is_root:
+        state.group.reshard()
+    flat, _ = tree_flatten(output)
+    for x in flat:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda grad, state=state: pre_backward(state))
+    return output

@@ -1,0 +1,93 @@
+"""FSDPModule: the methods a sharded module gains, mixed in by swapping its class.
+
+The new class subclasses the original, so ``isinstance(m, OriginalCls)`` still holds and the
+module keeps its place, name and forward.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from .state import GroupState, state_of
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, state: GroupState) -> None:
+        self._state = state
+
+    def wait(self) -> None:
+        self._state.group.wait_unshard()
+
+
+class FSDPModule:
+    """Interface of every module ``fully_shard`` was called on."""
+
+    def _fsdp_state(self) -> GroupState:
+        state = state_of(self)
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
+        return state
+
+    def _fsdp_states(self, recurse: bool) -> list[GroupState]:
+        if not recurse:
+            return [self._fsdp_state()]
+        return [s for m in self.modules() if (s := state_of(m)) is not None and s.module is m]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (e.g. ahead of its forward).
+
+        With ``async_op=True`` the all-gather is only issued; ``handle.wait()`` completes it.
+        """
+        state = self._fsdp_state()
+        state.group.start_unshard()
+        if async_op:
+            return UnshardHandle(state)
+        state.group.wait_unshard()
+        return None
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones again."""
+        self._fsdp_state().group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        """Turn gradient reduction off for accumulation steps (like DDP's ``no_sync``).
+
+        While off, unsharded gradients accumulate locally; the first backward with sync on
+        reduces them together with its own.
+        """
+        for state in self._fsdp_states(recurse):
+            state.requires_gradient_sync = requires_gradient_sync
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        """Keep parameters unsharded after backward (saves an all-gather next forward)."""
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_backward = reshard_after_backward
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+        """Change whether parameters are freed after forward and re-gathered in backward."""
+        for state in self._fsdp_states(recurse):
+            state.reshard_after_forward = reshard_after_forward
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """When False, the end of backward does not wait for gradient reductions.
+
+        For pipeline schedules running several backward passes per step; the reductions are
+        waited for at the next last backward or the next root forward.
+        """
+        self._fsdp_state().is_last_backward = is_last_backward
+
+
+_fsdp_classes: dict[type, type] = {}
+
+
+def become_fsdp_module(module: nn.Module) -> None:
+    cls = type(module)
+    if issubclass(cls, FSDPModule):
+        return
+    new_cls = _fsdp_classes.get(cls)
+    if new_cls is None:
+        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        _fsdp_classes[cls] = new_cls
+    module.__class__ = new_cls

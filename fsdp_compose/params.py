@@ -1,0 +1,179 @@
+"""One managed parameter: its dim-0 shard as a DTensor and its reusable unsharded tensor.
+
+The sharded ``nn.Parameter`` (a DTensor with ``Shard(0)``) is what the optimizer, ``state_dict``
+and ``clip_grad_norm_`` see. The unsharded ``nn.Parameter`` is one persistent object whose
+storage is allocated on unshard and freed on reshard; keeping the object alive means autograd's
+saved references to it see fresh data after a re-unshard in backward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+
+
+@dataclass
+class ParamPlace:
+    """Where a parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
+    """A tensor over ``storage_owner``'s storage with its own version counter.
+
+    Writing through it (copy-out after an all-gather) does not bump the version of the
+    unsharded parameter that autograd saved, which is the point.
+    """
+    out = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
+    return out.set_(storage_owner.untyped_storage(), 0, shape, strides)
+
+
+class ShardedParam:
+    """Rows ``[rank * rows_per_rank, ...)`` of one parameter, and the means to rebuild it.
+
+    Shards follow ``torch.chunk`` on dim 0 (as DTensor's ``Shard(0)`` does): every rank holds
+    ``ceil(dim0 / world)`` rows except at the tail, where shards shrink, possibly to zero rows.
+    Collectives use shards padded to ``rows_per_rank`` rows so every rank sends the same size.
+    """
+
+    def __init__(
+        self,
+        param: nn.Parameter,
+        places: list[ParamPlace],
+        fqn: str,
+        mesh: DeviceMesh,
+        device: torch.device,
+    ) -> None:
+        if param.dim() == 0:
+            raise ValueError(
+                f"fully_shard cannot shard the 0-dim parameter '{fqn}' on dim 0; "
+                "give it shape (1,) or pass it in ignored_params"
+            )
+        self.fqn = fqn
+        self.places = places
+        self.mesh = mesh
+        self.world_size = mesh.size()
+        self.rank = mesh.get_local_rank()
+        self.shape = param.shape
+        self.dtype = param.dtype
+        self.requires_grad = param.requires_grad
+        self.row_numel = math.prod(param.shape[1:])
+        self.rows_per_rank = math.ceil(param.shape[0] / self.world_size)
+        self.padded_numel = self.rows_per_rank * self.row_numel
+        start = min(self.rank * self.rows_per_rank, param.shape[0])
+        end = min(start + self.rows_per_rank, param.shape[0])
+        self.local_rows = end - start
+        self.local_numel = self.local_rows * self.row_numel
+        self.local_shape = torch.Size((self.local_rows, *param.shape[1:]))
+
+        with torch.no_grad():
+            local = param.detach()[start:end].to(device).clone(memory_format=torch.contiguous_format)
+        self.sharded_param = nn.Parameter(
+            DTensor.from_local(
+                local,
+                mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=param.shape,
+                stride=contiguous_strides(param.shape),
+            ),
+            requires_grad=param.requires_grad,
+        )
+        self.unsharded_param: nn.Parameter | None = None
+        # called with the unsharded parameter after autograd accumulated its gradient
+        self.on_grad_accumulated = None
+        # (world, padded_numel) view of the unsharded storage: the copy-out target.
+        self._gather_target: torch.Tensor | None = None
+        self._padding = torch.zeros(self.padded_numel - self.local_numel, dtype=self.dtype, device=device)
+
+    # ----- sharded side -----------------------------------------------------------------
+    def local_tensor(self) -> torch.Tensor:
+        """The current local shard (the optimizer may have replaced the object)."""
+        return self.sharded_param._local_tensor
+
+    def padded_local_pieces(self) -> list[torch.Tensor]:
+        """This rank's all-gather contribution, as pieces to concatenate."""
+        local = self.local_tensor().reshape(-1)
+        if self._padding.numel() == 0:
+            return [local]
+        return [local, self._padding]
+
+    # ----- unsharded side ---------------------------------------------------------------
+    def _create_unsharded(self, device: torch.device) -> None:
+        storage_owner = torch.empty(self.world_size * self.padded_numel, dtype=self.dtype, device=device)
+        self.unsharded_param = nn.Parameter(
+            alias(storage_owner, self.shape, contiguous_strides(self.shape)),
+            requires_grad=self.requires_grad,
+        )
+        self._gather_target = alias(storage_owner, (self.world_size, self.padded_numel), (self.padded_numel, 1))
+        if self.requires_grad and self.on_grad_accumulated is not None:
+            self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
+
+    def alloc_unsharded(self, device: torch.device) -> torch.Tensor:
+        """Give the unsharded parameter storage again; return the copy-out target."""
+        if self.unsharded_param is None:
+            self._create_unsharded(device)
+        else:
+            storage = self.unsharded_param.untyped_storage()
+            nbytes = self.world_size * self.padded_numel * self.unsharded_param.element_size()
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+        return self._gather_target
+
+    def free_unsharded(self) -> None:
+        if self.unsharded_param is not None:
+            self.unsharded_param.untyped_storage().resize_(0)
+
+    def unsharded_nbytes(self) -> int:
+        """Bytes the unsharded storage holds now (0 when resharded)."""
+        if self.unsharded_param is None:
+            return 0
+        return self.unsharded_param.untyped_storage().nbytes()
+
+    def use(self, unsharded: bool) -> None:
+        """Register the sharded or the unsharded parameter everywhere it lives."""
+        param = self.unsharded_param if unsharded else self.sharded_param
+        for place in self.places:
+            place.module._parameters[place.name] = param
+
+    # ----- gradients --------------------------------------------------------------------
+    def padded_grad_rows(self, grad: torch.Tensor | None) -> torch.Tensor:
+        """The unsharded gradient as (world, padded_numel), zero-filled as needed."""
+        if grad is None:
+            return torch.zeros(self.world_size, self.padded_numel, dtype=self.dtype, device=self._padding.device)
+        flat = grad.reshape(-1)
+        missing = self.world_size * self.padded_numel - flat.numel()
+        if missing:
+            flat = torch.cat([flat, flat.new_zeros(missing)])
+        return flat.view(self.world_size, self.padded_numel)
+
+    def accumulate_grad(self, local_grad: torch.Tensor) -> None:
+        """Add this rank's reduced gradient shard into the sharded ``.grad``."""
+        local_grad = local_grad.view(self.local_shape)
+        current = self.sharded_param.grad
+        if current is None:
+            self.sharded_param.grad = DTensor.from_local(
+                local_grad.to(self.dtype),
+                self.mesh,
+                [Shard(0)],
+                run_check=False,
+                shape=self.shape,
+                stride=contiguous_strides(self.shape),
+            )
+        else:
+            current._local_tensor.add_(local_grad)

@@ -1,0 +1,148 @@
+"""Small models whose sizes do not divide 2, 3 or 4, and a reference training loop."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+VOCAB, DIM, HIDDEN, SEQ = 37, 13, 29, 5
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = DIM, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, hidden)
+        self.fc2 = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class TinyLM(nn.Module):
+    def __init__(self, n_blocks: int = 3) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(n_blocks))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, VOCAB)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def lm_loss(model: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def global_batch(step: int, world_size: int, per_rank: int = 2) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (world_size * per_rank, SEQ + 1), generator=gen)
+
+
+def local_slice(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    per_rank = batch.shape[0] // world_size
+    return batch[rank * per_rank : (rank + 1) * per_rank]
+
+
+def shard_blocks_then_root(model: TinyLM, **kwargs) -> None:
+    from fsdp_compose import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+
+
+def mean_across_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    dist.all_reduce(value)
+    return value.item() / dist.get_world_size()
+
+
+def max_param_diff(model: nn.Module, reference: nn.Module) -> float:
+    """Largest |sharded - reference| over parameters; names must match exactly."""
+    ours = dict(model.named_parameters())
+    theirs = dict(reference.named_parameters())
+    assert list(ours) == list(theirs), (list(ours), list(theirs))
+    worst = 0.0
+    for name, param in ours.items():
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        worst = max(worst, (full.detach() - theirs[name].detach()).abs().max().item())
+    return worst
+
+
+def max_grad_diff(model: nn.Module, reference: nn.Module) -> float:
+    worst = 0.0
+    theirs = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        ref_grad = theirs[name].grad
+        if param.grad is None or ref_grad is None:
+            assert param.grad is None and ref_grad is None, f"{name}: grad presence differs"
+            continue
+        full = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
+        worst = max(worst, (full - ref_grad).abs().max().item())
+    return worst
+
+
+def train_against_reference(
+    build: Callable[[], nn.Module],
+    shard: Callable[[nn.Module], None],
+    *,
+    steps: int = 4,
+    step_fn: Callable | None = None,
+    lr: float = 1e-2,
+) -> dict:
+    """Train a sharded copy on each rank's slice and a full copy on the global batch.
+
+    ``step_fn(model, batch, rank, world_size)`` returns the loss after calling backward; the
+    default is one forward/backward on the batch.
+    """
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = build()
+    model = copy.deepcopy(reference)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
+    step_fn = step_fn or default_step
+    losses, ref_losses, grad_diffs = [], [], []
+    for step in range(steps):
+        batch = global_batch(step, world_size)
+        ref_losses.append(step_fn(reference, batch, 0, 1).item())
+        losses.append(mean_across_ranks(step_fn(model, local_slice(batch, rank, world_size), rank, world_size)))
+        grad_diffs.append(max_grad_diff(model, reference))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return {
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "param_diff": max_param_diff(model, reference),
+        "grad_diff": max(grad_diffs),
+        "names": [n for n, _ in model.named_parameters()],
+    }
+
+
+def default_step(model: nn.Module, batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    loss = lm_loss(model, batch)
+    loss.backward()
+    return loss
+
+
+def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
+    for rank, r in enumerate(results):
+        for ours, ref in zip(r["losses"], r["ref_losses"]):
+            assert abs(ours - ref) <= tol, (rank, r["losses"], r["ref_losses"])
+        assert r["param_diff"] <= tol, (rank, r["param_diff"])
+        assert r["grad_diff"] <= tol, (rank, r["grad_diff"])
+    assert len({tuple(r["names"]) for r in results}) == 1
