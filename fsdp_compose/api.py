@@ -16,7 +16,7 @@ from .mesh import default_mesh, mesh_device
 from .module import FSDPModule, become_fsdp_module
 from .params import ParamPlace, ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
-from .state import GroupState, owner_of, register_owner, register_state, state_of
+from .state import GroupState, class_name, owner_of, register_owner, register_state, state_of
 
 
 def _managed_params(
@@ -49,8 +49,8 @@ def _managed_params(
 
 
 def _raise_owned(module: nn.Module, fqn: str, owner: GroupState, param: nn.Parameter) -> None:
-    here = type(module).__name__
-    there = type(owner.module).__name__
+    here = class_name(module)
+    there = class_name(owner.module)
     if param in {p.sharded_param for p in owner.group.params}:
         raise ValueError(
             f"fully_shard({here}): parameter '{fqn}' is already sharded by fully_shard on an "
@@ -70,14 +70,14 @@ def _check_one_device(module: nn.Module, names: dict[nn.Parameter, str]) -> torc
     if len(first_by_device) > 1:
         listing = ", ".join(f"'{fqn}' on {device}" for device, fqn in first_by_device.items())
         raise ValueError(
-            f"fully_shard({type(module).__name__}): parameters are on different devices "
+            f"fully_shard({class_name(module)}): parameters are on different devices "
             f"({listing}); move the module to one device first"
         )
     return next(iter(first_by_device), None)
 
 
 def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, object]) -> None:
-    name = type(module).__name__
+    name = class_name(module)
     if mesh.ndim != 1:
         raise NotImplementedError(
             f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): only a 1-D mesh is supported so far; "
@@ -122,7 +122,7 @@ def fully_shard(
         raise NotImplementedError("fully_shard([modules]): grouping several modules is not implemented yet")
     if state_of(module) is not None:
         raise ValueError(
-            f"fully_shard was already called on this {type(module).__name__} module; call it once per module"
+            f"fully_shard was already called on this {class_name(module)} module; call it once per module"
         )
     mesh = mesh if mesh is not None else default_mesh()
     _check_unsupported(
@@ -136,7 +136,7 @@ def fully_shard(
     )
     if not isinstance(reshard_after_forward, (bool, type(None))):
         raise NotImplementedError(
-            f"fully_shard({type(module).__name__}, reshard_after_forward={reshard_after_forward!r}): "
+            f"fully_shard({class_name(module)}, reshard_after_forward={reshard_after_forward!r}): "
             "resharding to a smaller group of ranks is not implemented yet; pass True or False"
         )
     ignored = set(ignored_params or ())

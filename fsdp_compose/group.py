@@ -40,6 +40,11 @@ class ParamGroup:
         self.pending_unshard: PendingCollective | None = None
         self.pending_reduces: list[PendingCollective] = []
 
+    def follow_local_devices(self) -> None:
+        """Re-read the device after deferred initialization materialized the shards."""
+        for p in self.params:
+            self.device = p.follow_local_device()
+
     # ----- unshard / reshard ------------------------------------------------------------
     def start_unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is in flight."""

@@ -113,6 +113,13 @@ class ShardedParam:
             return [local]
         return [local, self._padding]
 
+    def follow_local_device(self) -> torch.device:
+        """Adopt the device the local shard lives on now (after ``to_empty`` from meta)."""
+        device = self.local_tensor().device
+        if self._padding.device != device:
+            self._padding = torch.zeros(self._padding.shape, dtype=self.dtype, device=device)
+        return device
+
     # ----- unsharded side ---------------------------------------------------------------
     def _create_unsharded(self, device: torch.device) -> None:
         storage_owner = torch.empty(self.world_size * self.padded_numel, dtype=self.dtype, device=device)

@@ -36,11 +36,6 @@ class GroupState:
     def is_root(self) -> bool:
         return self.root is not None and self.root.root_state is self
 
-    @property
-    def label(self) -> str:
-        """How errors name this group: FQN once known, else the class name."""
-        name = self.fqn or "<root>" if self.root is not None else ""
-        return f"'{name}' ({type(self.module).__name__})" if name else type(self.module).__name__
 
     def reset_backward(self) -> None:
         self.ran_forward_with_grad = False
@@ -59,9 +54,20 @@ class RootState:
     in_backward: bool = False
 
 
-# module -> its GroupState; sharded or original parameter -> the GroupState managing it.
+# module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed
+# registry: torch.utils.swap_tensors (used by module.to_empty) refuses tensors with weakrefs.
 _module_states: "weakref.WeakKeyDictionary[nn.Module, GroupState]" = weakref.WeakKeyDictionary()
-_param_owners: "weakref.WeakKeyDictionary[nn.Parameter, GroupState]" = weakref.WeakKeyDictionary()
+_OWNER_ATTR = "_fsdp_compose_owner"
+
+
+def class_name(module: nn.Module) -> str:
+    """The user's class name, not the FSDP subclass swapped in by fully_shard."""
+    from .module import FSDPModule
+
+    for cls in type(module).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls.__name__
+    return type(module).__name__
 
 
 def state_of(module: nn.Module) -> GroupState | None:
@@ -73,8 +79,9 @@ def register_state(state: GroupState) -> None:
 
 
 def owner_of(param: nn.Parameter) -> GroupState | None:
-    return _param_owners.get(param)
+    ref = getattr(param, _OWNER_ATTR, None)
+    return ref() if ref is not None else None
 
 
 def register_owner(param: nn.Parameter, state: GroupState) -> None:
-    _param_owners[param] = state
+    setattr(param, _OWNER_ATTR, weakref.ref(state))

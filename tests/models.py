@@ -146,3 +146,30 @@ def assert_parity(results: list[dict], tol: float = 1e-5) -> None:
         assert r["param_diff"] <= tol, (rank, r["param_diff"])
         assert r["grad_diff"] <= tol, (rank, r["grad_diff"])
     assert len({tuple(r["names"]) for r in results}) == 1
+
+
+class BranchyLM(TinyLM):
+    """A TinyLM whose blocks carry a branch that forward never uses."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            block.unused = nn.Linear(DIM, 3)
+
+
+class SharedBlockLM(TinyLM):
+    """Runs ``blocks[0]`` twice per forward: shared weights inside one step."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        x = self.blocks[0](x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+def freeze(model: nn.Module, names: set[str]) -> nn.Module:
+    for name, param in model.named_parameters():
+        if name in names:
+            param.requires_grad_(False)
+    return model

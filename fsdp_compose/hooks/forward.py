@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..state import GroupState, RootState, state_of
+from ..state import GroupState, RootState, class_name, state_of
 from .backward import PostBackwardSignal, pre_backward
 
 
@@ -25,12 +25,13 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
             if p.sharded_param.device.type == "meta":
                 fqn = param_names.get(id(p.sharded_param), p.fqn)
                 raise RuntimeError(
-                    f"Parameter '{fqn}' of module '{name or '<root>'}' ({type(s.module).__name__}) "
+                    f"Parameter '{fqn}' of module '{name or '<root>'}' ({class_name(s.module)}) "
                     "is still on the meta device at the first forward; materialize it first, e.g. "
                     "module.to_empty(device=...) then reset_parameters()"
                 )
     root = RootState(root_state=state, states=[s for _, s in found])
     for name, s in found:
+        s.group.follow_local_devices()
         s.root = root
         s.fqn = name
         for p in s.group.params:

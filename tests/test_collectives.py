@@ -1,0 +1,130 @@
+"""Counts of real c10d calls per step: one all-gather per group per unshard, one reduce-scatter per group."""
+
+from collections import Counter
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from expecttest import assert_expected_inline
+
+from fsdp_compose import FSDPModule
+from tests.harness import run_on_ranks
+from tests.models import TinyLM, lm_loss, shard_blocks_then_root
+
+WATCHED = [
+    "all_gather_single",
+    "all_gather_into_tensor",
+    "all_gather",
+    "reduce_scatter_single",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "all_reduce",
+    "broadcast",
+]
+
+
+@contextmanager
+def count_collectives():
+    counts: Counter = Counter()
+    originals = {name: getattr(dist, name) for name in WATCHED}
+
+    def counting(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return call
+
+    for name in WATCHED:
+        setattr(dist, name, counting(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def _counts():
+    torch.manual_seed(0)
+    model = TinyLM()  # 3 blocks + root = 4 groups
+    shard_blocks_then_root(model)
+    ids = torch.randint(0, 37, (2, 6))
+    phases = {}
+    with count_collectives() as counts:
+        loss = lm_loss(model, ids)
+    phases["forward"] = dict(counts)
+    with count_collectives() as counts:
+        loss.backward()
+    phases["backward"] = dict(counts)
+    # no-sync micro-batch: gathers, but no reduction
+    model.set_requires_gradient_sync(False)
+    with count_collectives() as counts:
+        lm_loss(model, ids).backward()
+    phases["no_sync_step"] = dict(counts)
+    model.set_requires_gradient_sync(True)
+    with count_collectives() as counts:
+        lm_loss(model, ids).backward()
+    phases["sync_step"] = dict(counts)
+    with count_collectives() as counts, torch.no_grad():
+        model(ids[:, :-1])
+    phases["no_grad_forward"] = dict(counts)
+    return phases
+
+
+def test_one_collective_per_group():
+    results = run_on_ranks(2, _counts)
+    assert results[0] == results[1]
+    text = "\n".join(f"{phase}: {sorted(c.items())}" for phase, c in results[0].items())
+    # forward: 4 groups gathered; backward: the 3 resharded blocks gathered again, 4 reductions
+    assert_expected_inline(
+        text,
+        """\
+forward: [('all_gather_single', 4)]
+backward: [('all_gather_single', 3), ('reduce_scatter_single', 4)]
+no_sync_step: [('all_gather_single', 7)]
+sync_step: [('all_gather_single', 7), ('reduce_scatter_single', 4)]
+no_grad_forward: [('all_gather_single', 4)]""",
+    )
+
+
+def _module_interface():
+    from fsdp_compose.state import state_of
+    from tests.models import Block
+
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    out = {
+        "isinstance": [isinstance(model, TinyLM), isinstance(model, FSDPModule), isinstance(model.blocks[0], FSDPModule)],
+        "block_class": isinstance(model.blocks[0], Block),
+        "names": [n for n, _ in model.blocks[0].named_parameters()],
+        "param_types": sorted({type(p).__name__ for p in model.parameters()}),
+    }
+    block = model.blocks[1]
+    handle = block.unshard(async_op=True)
+    handle.wait()
+    out["unsharded_type"] = type(block.fc1.weight).__name__
+    out["unsharded_shape"] = list(block.fc1.weight.shape)
+    block.reshard()
+    out["resharded_type"] = type(block.fc1.weight).__name__
+    out["bytes_after_reshard"] = state_of(block).group.unsharded_nbytes()
+    # keep params unsharded after backward: no gather in the next forward for those groups
+    model.set_reshard_after_backward(False)
+    ids = torch.randint(0, 37, (2, 6))
+    lm_loss(model, ids).backward()
+    out["kept_after_backward"] = [state_of(m).group.unsharded_nbytes() > 0 for m in [model, *model.blocks]]
+    with count_collectives() as counts:
+        model(ids)
+    out["gathers_next_forward"] = counts["all_gather_single"]
+    return out
+
+
+def test_fsdp_module_interface():
+    (r,) = run_on_ranks(1, _module_interface)
+    assert r["isinstance"] == [True, True, True] and r["block_class"]
+    assert r["names"] == ["norm.weight", "norm.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"]
+    assert r["param_types"] == ["DTensor"]
+    assert r["unsharded_type"] == "Parameter" and r["unsharded_shape"] == [29, 13]
+    assert r["resharded_type"] == "DTensor" and r["bytes_after_reshard"] == 0
+    assert r["kept_after_backward"] == [True, True, True, True]
+    assert r["gathers_next_forward"] == 0

@@ -1,0 +1,103 @@
+"""Bad input gets an error that names the module or parameter at fault."""
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_compose import fully_shard
+from tests.models import Block
+
+
+@pytest.fixture(autouse=True)
+def _group(single_rank_group):
+    yield
+
+
+def message(fn) -> str:
+    with pytest.raises(Exception) as info:
+        fn()
+    return f"{type(info.value).__name__}: {info.value}"
+
+
+def test_double_apply():
+    block = Block()
+    fully_shard(block)
+    assert_expected_inline(
+        message(lambda: fully_shard(block)),
+        """ValueError: fully_shard was already called on this Block module; call it once per module""",
+    )
+
+
+def test_child_after_ancestor():
+    model = nn.Sequential(Block(), Block())
+    fully_shard(model)
+    assert_expected_inline(
+        message(lambda: fully_shard(model[1])),
+        """ValueError: fully_shard(Block): parameter 'norm.weight' is already sharded by fully_shard on an ancestor module (Sequential); call fully_shard on submodules before their parents""",
+    )
+
+
+def test_parameter_shared_across_groups():
+    embed, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, head)
+    fully_shard(model[0])
+    assert_expected_inline(
+        message(lambda: fully_shard(model)),
+        """ValueError: fully_shard(Sequential): parameter '1.weight' is shared with a module already sharded by fully_shard(Embedding); a parameter may belong to one group only: call fully_shard on a module that contains every user of the shared parameter, or ignore it (ignored_params)""",
+    )
+
+
+def test_mixed_devices():
+    model = nn.Sequential(nn.Linear(3, 4))
+    with torch.device("meta"):
+        model.append(nn.Linear(4, 2))
+    assert_expected_inline(
+        message(lambda: fully_shard(model)),
+        """ValueError: fully_shard(Sequential): parameters are on different devices ('0.weight' on cpu, '1.weight' on meta); move the module to one device first""",
+    )
+
+
+def test_two_dimensional_mesh():
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    assert_expected_inline(
+        message(lambda: fully_shard(Block(), mesh=mesh)),
+        """NotImplementedError: fully_shard(Block, mesh=<2-D mesh>): only a 1-D mesh is supported so far; HSDP on a 2-D (replicate, shard) mesh is not implemented yet""",
+    )
+
+
+def test_meta_parameter_reaching_forward_then_retry():
+    with torch.device("meta"):
+        model = nn.Sequential(Block(), nn.Linear(13, 3))
+    fully_shard(model[0])
+    fully_shard(model)
+    x = torch.randn(2, 13)
+    assert_expected_inline(
+        message(lambda: model(x)),
+        """RuntimeError: Parameter '1.weight' of module '<root>' (Sequential) is still on the meta device at the first forward; materialize it first, e.g. module.to_empty(device=...) then reset_parameters()""",
+    )
+    # the failed lazy init changed nothing: materialize and the same model runs
+    model.to_empty(device="cpu")
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    assert model(x).shape == (2, 3)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_zero_dim_parameter():
+    module = nn.Module()
+    module.scale = nn.Parameter(torch.tensor(1.0))
+    assert_expected_inline(
+        message(lambda: fully_shard(module)),
+        """ValueError: fully_shard cannot shard the 0-dim parameter 'scale' on dim 0; give it shape (1,) or pass it in ignored_params""",
+    )
+
+
+def test_options_not_yet_supported():
+    assert_expected_inline(
+        message(lambda: fully_shard(Block(), reshard_after_forward=2)),
+        """NotImplementedError: fully_shard(Block, reshard_after_forward=2): resharding to a smaller group of ranks is not implemented yet; pass True or False""",
+    )
