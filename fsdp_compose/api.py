@@ -16,7 +16,7 @@ from .mesh import default_mesh, mesh_device
 from .module import FSDPModule, become_fsdp_module
 from .params import ParamPlace, ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
-from .state import GroupState, class_name, owner_of, register_owner, register_state, state_of
+from .state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
 
 
 def _managed_params(
@@ -146,7 +146,8 @@ def fully_shard(
     sharded = [ShardedParam(param, places[param], names[param], mesh, device) for param in places]
 
     # Nothing above changed the model; from here on, commit.
-    group = ParamGroup(sharded, mesh, device)
+    group = ParamGroup(sharded, mesh, device, label=class_name(module))
+    group.describe = describe_group
     state = GroupState(
         module=module,
         group=group,

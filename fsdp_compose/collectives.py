@@ -79,8 +79,6 @@ def all_gather_flat(
 
 def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.Tensor]) -> None:
     """Split the gathered columns into each parameter's (world, padded) target."""
-    if gathered.shape[1] != layout.total:
-        gathered = gathered[:, : layout.total]
     if len(targets) == 1:
         targets[0].copy_(gathered)
     else:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
+from typing import Callable
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -15,7 +16,17 @@ from .collectives import (
     copy_out,
     reduce_scatter_rows,
 )
+from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
+
+_next_uid = 0
+
+
+def _new_uid() -> int:
+    """Groups are numbered in creation order, which agrees across ranks building the same model."""
+    global _next_uid
+    _next_uid += 1
+    return _next_uid
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -25,7 +36,12 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 class ParamGroup:
     """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
 
-    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, device: torch.device) -> None:
+    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, device: torch.device, label: str) -> None:
+        self.uid = _new_uid()
+        self.label = label  # how errors name the group; lazy init sets the FQN
+        self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
+        self.check_order = check_enabled()
+        self.gathers = 0
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.mesh = mesh
@@ -54,10 +70,16 @@ class ParamGroup:
             return
         with torch.no_grad():
             pieces = [as_bytes(piece) for p in self.params for piece in p.padded_local_pieces()]
+            if self.check_order:
+                pieces.insert(0, make_header(self.uid, self.gathers, self.device))
             work, gathered = all_gather_flat(pieces, self.layout, self.process_group, self.stats)
-        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered))
+        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, self.gathers))
+        self.gathers += 1
 
-    def _finish_unshard(self, gathered: torch.Tensor) -> None:
+    def _finish_unshard(self, gathered: torch.Tensor, count: int) -> None:
+        if self.check_order:
+            verify_headers(gathered[:, :HEADER_BYTES], self.uid, count, self.describe)
+            gathered = gathered[:, HEADER_BYTES:]
         with torch.no_grad():
             targets = [p.alloc_unsharded(self.device).view(torch.uint8) for p in self.params]
             copy_out(gathered, self.layout, targets)

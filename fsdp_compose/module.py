@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .state import GroupState, state_of
+from .state import GroupState, class_name, state_of
 
 
 class UnshardHandle:
@@ -70,6 +70,17 @@ class FSDPModule:
         for state in self._fsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
 
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules right after this one's all-gather in forward.
+
+        Replaces the recorded-order prefetch for this module; an empty list turns it off.
+        """
+        self._fsdp_state().forward_prefetch = [_state_for_prefetch(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """All-gather these modules right after this one's all-gather in backward."""
+        self._fsdp_state().backward_prefetch = [_state_for_prefetch(m) for m in modules]
+
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """When False, the end of backward does not wait for gradient reductions.
 
@@ -77,6 +88,13 @@ class FSDPModule:
         waited for at the next last backward or the next root forward.
         """
         self._fsdp_state().is_last_backward = is_last_backward
+
+
+def _state_for_prefetch(module: nn.Module) -> GroupState:
+    state = state_of(module)
+    if state is None:
+        raise ValueError(f"cannot prefetch {class_name(module)}: fully_shard was not called on it")
+    return state
 
 
 _fsdp_classes: dict[type, type] = {}

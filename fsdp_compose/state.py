@@ -25,6 +25,9 @@ class GroupState:
     is_last_backward: bool = True
     root: RootState | None = None
     fqn: str = ""
+    # explicit prefetch targets (None: follow the recorded order)
+    forward_prefetch: list[GroupState] | None = None
+    backward_prefetch: list[GroupState] | None = None
     # per step, reset by the root's end-of-backward callback
     ran_forward_with_grad: bool = False
     pre_backward_done: bool = False
@@ -52,11 +55,23 @@ class RootState:
     root_state: GroupState
     states: list[GroupState]
     in_backward: bool = False
+    prefetch_limit: int = 1  # all-gathers in flight ahead of the running group
+    reduce_limit: int = 2  # reduce-scatters in flight before the oldest is waited for
+    reducing: list[GroupState] = field(default_factory=list)
+    # execution order (see schedule.py)
+    forward_order: list[GroupState] = field(default_factory=list)
+    forward_seen: set[GroupState] = field(default_factory=set)
+    post_forward_order: list[GroupState] = field(default_factory=list)
+    post_forward_seen: set[GroupState] = field(default_factory=set)
+    reference_forward_order: list[GroupState] | None = None
+    reference_index: dict[GroupState, int] = field(default_factory=dict)
+    warned_order_change: bool = False
 
 
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed
 # registry: torch.utils.swap_tensors (used by module.to_empty) refuses tensors with weakrefs.
 _module_states: "weakref.WeakKeyDictionary[nn.Module, GroupState]" = weakref.WeakKeyDictionary()
+_states_by_uid: "weakref.WeakValueDictionary[int, GroupState]" = weakref.WeakValueDictionary()
 _OWNER_ATTR = "_fsdp_compose_owner"
 
 
@@ -76,6 +91,13 @@ def state_of(module: nn.Module) -> GroupState | None:
 
 def register_state(state: GroupState) -> None:
     _module_states[state.module] = state
+    _states_by_uid[state.group.uid] = state
+
+
+def describe_group(uid: int) -> str:
+    """Name a group by the id carried in all-gather tags (ids agree across ranks)."""
+    state = _states_by_uid.get(uid)
+    return state.group.label if state is not None else f"<unknown group {uid}>"
 
 
 def owner_of(param: nn.Parameter) -> GroupState | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..schedule import backward_prefetch_targets, end_cycle
 from ..state import GroupState, RootState
 
 
@@ -37,12 +38,25 @@ def queue_end_of_backward(root: RootState) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(root))
 
 
+def unshard_with_prefetch(state: GroupState, targets: list[GroupState]) -> None:
+    """Issue our all-gather, then the targets', then wait only for ours.
+
+    Every rank issues the same all-gathers in the same order, so the prefetched ones move
+    bytes on gloo's threads while this group computes.
+    """
+    state.group.start_unshard()
+    for target in targets:
+        target.group.start_unshard()
+    state.group.wait_unshard()
+
+
 def pre_backward(state: GroupState) -> None:
-    queue_end_of_backward(state.root)
+    root = state.root
+    queue_end_of_backward(root)
     if state.pre_backward_done:
         return
     state.pre_backward_done = True
-    state.group.unshard()
+    unshard_with_prefetch(state, backward_prefetch_targets(root, state))
 
 
 def on_grad_accumulated(state: GroupState, index: int) -> None:
@@ -69,6 +83,10 @@ def post_backward(state: GroupState) -> None:
     group = state.group
     if group.trainable and state.requires_gradient_sync:
         group.start_reduce()
+        reducing = state.root.reducing
+        reducing.append(state)
+        while len(reducing) > state.root.reduce_limit:  # bound the memory held by reductions
+            reducing.pop(0).group.wait_reduces()
     if state.reshard_after_backward:
         group.reshard()
 
@@ -84,6 +102,8 @@ def end_of_backward(root: RootState) -> None:
     if root.root_state.is_last_backward:
         for state in root.states:
             state.group.wait_reduces()
+        root.reducing.clear()
     for state in root.states:
         state.reset_backward()
+    end_cycle(root)
     root.in_backward = False

@@ -9,7 +9,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..state import GroupState, RootState, class_name, state_of
-from .backward import PostBackwardSignal, pre_backward
+from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
+from .backward import PostBackwardSignal, pre_backward, unshard_with_prefetch
 
 
 def lazy_init(state: GroupState, module: nn.Module) -> None:
@@ -34,6 +35,7 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
         s.group.follow_local_devices()
         s.root = root
         s.fqn = name
+        s.group.label = f"'{name or '<root>'}' ({class_name(s.module)})"
         for p in s.group.params:
             p.fqn = param_names.get(id(p.sharded_param), p.fqn)
 
@@ -61,7 +63,9 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
     if state.is_root:
         for s in root.states:  # reductions a non-last backward left in flight
             s.group.wait_reduces()
-    state.group.unshard()
+        root.reducing.clear()
+    record_pre_forward(root, state)
+    unshard_with_prefetch(state, forward_prefetch_targets(root, state))
     if torch.is_grad_enabled():
         state.ran_forward_with_grad = True
         args, kwargs = attach_post_backward_signal(state, args, kwargs)
@@ -73,8 +77,11 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
     if root.in_backward:
         return output
     if not torch.is_grad_enabled():
-        state.group.reshard()
+        # no backward will follow: free everything, prefetched groups included at the root
+        for s in root.states if state.is_root else [state]:
+            s.group.reshard()
         return output
+    record_post_forward(root, state)
     if state.reshard_after_forward and not state.is_root:
         state.group.reshard()
     flat, _ = tree_flatten(output)

@@ -1,0 +1,76 @@
+"""Execution order and prefetch targets.
+
+The forward order is recorded every cycle (one cycle ends at each end of backward); the first
+complete cycle's order is kept as the reference that forward prefetch follows, and a later
+cycle that differs is reported once. Backward prefetch follows the current cycle's
+post-forward order in reverse, which is the order backward reaches the groups.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from .state import GroupState, RootState
+
+
+def record_pre_forward(root: RootState, state: GroupState) -> None:
+    if state not in root.forward_seen:
+        root.forward_seen.add(state)
+        root.forward_order.append(state)
+
+
+def record_post_forward(root: RootState, state: GroupState) -> None:
+    if state not in root.post_forward_seen:
+        root.post_forward_seen.add(state)
+        root.post_forward_order.append(state)
+
+
+def forward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupState]:
+    if state.forward_prefetch is not None:
+        return state.forward_prefetch
+    order = root.reference_forward_order
+    if not order or state not in root.reference_index:
+        return []
+    start = root.reference_index[state] + 1
+    return order[start : start + root.prefetch_limit]
+
+
+def backward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupState]:
+    if state.backward_prefetch is not None:
+        return state.backward_prefetch
+    order = root.post_forward_order
+    try:
+        index = order.index(state)
+    except ValueError:
+        return []
+    return order[max(0, index - root.prefetch_limit) : index][::-1]
+
+
+def end_cycle(root: RootState) -> None:
+    """Keep the first cycle's order as the reference; warn once if a later one differs."""
+    order = root.forward_order
+    if order:
+        if root.reference_forward_order is None:
+            root.reference_forward_order = list(order)
+            root.reference_index = {s: i for i, s in enumerate(order)}
+        elif order != root.reference_forward_order and not root.warned_order_change:
+            root.warned_order_change = True
+            first = next(
+                (i for i, (a, b) in enumerate(zip(order, root.reference_forward_order)) if a is not b),
+                min(len(order), len(root.reference_forward_order)),
+            )
+            warnings.warn(
+                "fsdp_compose: the forward order of sharded modules differs from the first iteration "
+                f"at position {first} ({_name(order, first)} instead of "
+                f"{_name(root.reference_forward_order, first)}); forward prefetch follows the first "
+                "order, so overlap may suffer",
+                stacklevel=2,
+            )
+    root.forward_order = []
+    root.forward_seen = set()
+    root.post_forward_order = []
+    root.post_forward_seen = set()
+
+
+def _name(order: list[GroupState], index: int) -> str:
+    return order[index].group.label if index < len(order) else "<end>"

@@ -1,0 +1,168 @@
+"""Execution order, prefetch, the in-flight limit, and the cross-rank order check."""
+
+import warnings
+
+import torch
+import torch.distributed as dist
+from expecttest import assert_expected_inline
+
+from fsdp_compose.group import ParamGroup
+from fsdp_compose.order_check import ExecutionOrderError
+from fsdp_compose.state import state_of
+from tests.harness import run_on_ranks
+from tests.models import TinyLM, lm_loss, shard_blocks_then_root
+
+
+def _trace_second_step():
+    """What is issued and waited, in order, once the first step recorded the order."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    ids = torch.randint(0, 37, (2, 6))
+    lm_loss(model, ids).backward()
+    root = state_of(model).root
+    recorded = {
+        "forward": [s.group.label for s in root.reference_forward_order],
+    }
+    events = []
+    start, wait = ParamGroup.start_unshard, ParamGroup.wait_unshard
+
+    def traced_start(group):
+        if not group.is_unsharded and group.pending_unshard is None:
+            events.append(f"gather {group.label}")
+        start(group)
+
+    def traced_wait(group):
+        if group.pending_unshard is not None:
+            events.append(f"  wait {group.label}")
+        wait(group)
+
+    ParamGroup.start_unshard, ParamGroup.wait_unshard = traced_start, traced_wait
+    try:
+        loss = lm_loss(model, ids)
+        events.append("-- backward")
+        recorded["post_forward"] = [s.group.label for s in root.post_forward_order]
+        loss.backward()
+    finally:
+        ParamGroup.start_unshard, ParamGroup.wait_unshard = start, wait
+    return recorded, events
+
+
+def test_recorded_order_drives_prefetch():
+    recorded, events = run_on_ranks(2, _trace_second_step)[0]
+    assert_expected_inline(
+        "\n".join(recorded["forward"]) + "\n|\n" + "\n".join(recorded["post_forward"]),
+        """\
+'<root>' (TinyLM)
+'blocks.0' (Block)
+'blocks.1' (Block)
+'blocks.2' (Block)
+|
+'blocks.0' (Block)
+'blocks.1' (Block)
+'blocks.2' (Block)
+'<root>' (TinyLM)""",
+    )
+    # each group's all-gather is issued one group ahead of its wait
+    assert_expected_inline(
+        "\n".join(events),
+        """\
+gather '<root>' (TinyLM)
+gather 'blocks.0' (Block)
+  wait '<root>' (TinyLM)
+gather 'blocks.1' (Block)
+  wait 'blocks.0' (Block)
+gather 'blocks.2' (Block)
+  wait 'blocks.1' (Block)
+  wait 'blocks.2' (Block)
+-- backward
+gather 'blocks.2' (Block)
+gather 'blocks.1' (Block)
+  wait 'blocks.2' (Block)
+gather 'blocks.0' (Block)
+  wait 'blocks.1' (Block)
+  wait 'blocks.0' (Block)""",
+    )
+
+
+def _in_flight_peak(n_blocks):
+    """Sample, during forward and backward compute, how many blocks hold gathered data."""
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=n_blocks)
+    shard_blocks_then_root(model)
+    blocks = [state_of(b).group for b in model.blocks]
+    samples = []
+
+    def sample(*_):
+        samples.append(sum(1 for g in blocks if g.unsharded_nbytes() > 0 or g.pending_unshard is not None))
+
+    def on_fc1_output(module, args, output):
+        sample()
+        if output.requires_grad:
+            output.register_hook(lambda grad: sample())
+
+    for block in model.blocks:
+        block.fc1.register_forward_hook(on_fc1_output)
+    ids = torch.randint(0, 37, (2, 6))
+    for _ in range(3):
+        lm_loss(model, ids).backward()
+    return max(samples), len(samples)
+
+
+def test_in_flight_limit_bounds_unsharded_groups():
+    for peak, count in run_on_ranks(2, _in_flight_peak, 6):
+        assert count == 3 * 2 * 6
+        assert peak == 2  # the running block and the one prefetched: never more
+
+
+def _diverging_order():
+    """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    if dist.get_rank() == 1:
+        model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])
+    shards = [p for m in model.modules() if (s := state_of(m)) for p in s.group.params]
+    before = [p.local_tensor().clone() for p in shards]
+    try:
+        lm_loss(model, torch.randint(0, 37, (2, 6))).backward()
+    except ExecutionOrderError as error:
+        unchanged = all(torch.equal(b, p.local_tensor()) for b, p in zip(before, shards))
+        return str(error), unchanged and all(p.sharded_param.grad is None for p in shards)
+    return "no error", False
+
+
+def test_ranks_running_different_orders_raise_everywhere():
+    results = run_on_ranks(2, _diverging_order, timeout=60)
+    assert all(unchanged for _, unchanged in results)  # no step taken, no gradient produced
+    # rank 1 reordered its own module tree, so it names the same groups by its own paths
+    assert "rank 0: 'blocks.2' (Block)" in results[1][0] and "rank 1: 'blocks.0' (Block)" in results[1][0]
+    assert_expected_inline(
+        results[0][0],
+        """\
+Ranks all-gathered different sharded modules; every rank must run fully_shard modules in the same order (check data-dependent control flow):
+  rank 0: 'blocks.0' (Block), its all-gather #1
+  rank 1: 'blocks.2' (Block), its all-gather #1""",
+    )
+
+
+def _order_change_warns_once():
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    ids = torch.randint(0, 37, (2, 6))
+    lm_loss(model, ids).backward()
+    model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])  # every rank changes the same way
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            lm_loss(model, ids).backward()
+    return [str(w.message) for w in caught if "fsdp_compose" in str(w.message)]
+
+
+def test_local_order_change_warns_once():
+    messages = run_on_ranks(2, _order_change_warns_once)[0]
+    assert_expected_inline(
+        "\n".join(messages),
+        """fsdp_compose: the forward order of sharded modules differs from the first iteration at position 1 ('blocks.2' (Block) instead of 'blocks.0' (Block)); forward prefetch follows the first order, so overlap may suffer""",
+    )
