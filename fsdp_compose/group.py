@@ -29,10 +29,6 @@ def _new_uid() -> int:
     return _next_uid
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.reshape(-1).view(torch.uint8)
-
-
 class ParamGroup:
     """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
 
@@ -40,12 +36,12 @@ class ParamGroup:
         self.uid = _new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
-        self.check_order = check_enabled()
-        self.gathers = 0
+        self.header = make_header(self.uid, device) if check_enabled() else None
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.mesh = mesh
         self.device = device
+        self._all_present: dict[torch.dtype, torch.Tensor] = {}
         self.world_size = mesh.size()
         self.process_group = mesh.get_group()
         self.layout = GatherLayout(
@@ -60,6 +56,9 @@ class ParamGroup:
         """Re-read the device after deferred initialization materialized the shards."""
         for p in self.params:
             self.device = p.follow_local_device()
+        if self.header is not None and self.header.device != self.device:
+            self.header = make_header(self.uid, self.device)
+        self._all_present.clear()
 
     # ----- unshard / reshard ------------------------------------------------------------
     def start_unshard(self) -> None:
@@ -69,19 +68,18 @@ class ParamGroup:
                 self.is_unsharded = True
             return
         with torch.no_grad():
-            pieces = [as_bytes(piece) for p in self.params for piece in p.padded_local_pieces()]
-            if self.check_order:
-                pieces.insert(0, make_header(self.uid, self.gathers, self.device))
+            pieces = [] if self.header is None else [self.header]
+            for p in self.params:
+                pieces.extend(p.gather_pieces())
             work, gathered = all_gather_flat(pieces, self.layout, self.process_group, self.stats)
-        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, self.gathers))
-        self.gathers += 1
+        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered))
 
-    def _finish_unshard(self, gathered: torch.Tensor, count: int) -> None:
-        if self.check_order:
-            verify_headers(gathered[:, :HEADER_BYTES], self.uid, count, self.describe)
+    def _finish_unshard(self, gathered: torch.Tensor) -> None:
+        if self.header is not None:
+            verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
         with torch.no_grad():
-            targets = [p.alloc_unsharded(self.device).view(torch.uint8) for p in self.params]
+            targets = [p.alloc_unsharded(self.device) for p in self.params]
             copy_out(gathered, self.layout, targets)
         for p in self.params:
             p.use(unsharded=True)
@@ -128,13 +126,23 @@ class ParamGroup:
             for dtype, params in by_dtype.items():
                 grads = [p.unsharded_param.grad if p.unsharded_param is not None else None for p in params]
                 rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
-                flags = torch.tensor([g is not None for g in grads], dtype=dtype, device=self.device)
-                rows.append(flags.expand(self.world_size, -1))
+                rows.append(self._flag_rows(dtype, [g is not None for g in grads]))
                 for p in params:
                     if p.unsharded_param is not None:
                         p.unsharded_param.grad = None
                 work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats)
                 self.pending_reduces.append(PendingCollective(work, partial(self._finish_reduce, params, reduced)))
+
+    def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
+        """Every row holds this rank's has-gradient flags; the common all-present case is cached."""
+        if all(present):
+            rows = self._all_present.get(dtype)
+            if rows is None:
+                ones = torch.ones(len(present), dtype=dtype, device=self.device)
+                rows = self._all_present[dtype] = ones.expand(self.world_size, -1)
+            return rows
+        flags = torch.tensor(present, dtype=dtype, device=self.device)
+        return flags.expand(self.world_size, -1)
 
     def _finish_reduce(self, params: list[ShardedParam], reduced: torch.Tensor) -> None:
         reduced.div_(self.world_size)

@@ -1,8 +1,10 @@
 """Cross-rank execution-order check carried inside every all-gather, at no extra collective.
 
-Each rank prepends a 24-byte tag (magic, group id, per-group gather count) to its all-gather
-input; after the gather every rank sees every rank's tag and raises the same error, naming the
-modules, if ranks gathered different groups. Set ``FSDP_COMPOSE_CHECK_ORDER=0`` to turn it off.
+Each rank prepends a 16-byte tag (magic, group id) to its all-gather input; after the gather
+every rank sees every rank's tag and raises the same error, naming the modules, if ranks
+gathered different groups. The tag is constant per group, so the check costs one small copy
+and one comparison per all-gather. A rank that skips or repeats a gather surfaces at the next
+gather, whose partners then differ. Set ``FSDP_COMPOSE_CHECK_ORDER=0`` to turn it off.
 
 Limit: gloo aborts the process when ranks gather buffers of different sizes, so the tag can
 report divergence only between groups of equal size (for example identical blocks run in
@@ -19,7 +21,7 @@ import torch
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 MAGIC = 0x4653_4450_4F52_4452
-HEADER_BYTES = 24
+HEADER_BYTES = 16
 
 
 class ExecutionOrderError(RuntimeError):
@@ -30,19 +32,19 @@ def check_enabled() -> bool:
     return os.environ.get(CHECK_ENV, "1") != "0"
 
 
-def make_header(uid: int, count: int, device: torch.device) -> torch.Tensor:
-    return torch.tensor([MAGIC, uid, count], dtype=torch.int64, device=device).view(torch.uint8)
+def make_header(uid: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([MAGIC, uid], dtype=torch.int64, device=device).view(torch.uint8)
 
 
-def verify_headers(headers: torch.Tensor, uid: int, count: int, describe: Callable[[int], str]) -> None:
-    """``headers``: the gathered ``(world, 24)`` uint8 tags; raise unless all equal ours."""
-    rows = headers.reshape(-1).clone().view(torch.int64).view(-1, 3).tolist()
-    if all(row == [MAGIC, uid, count] for row in rows):
+def verify_headers(headers: torch.Tensor, expected: torch.Tensor, describe: Callable[[int], str]) -> None:
+    """``headers``: the gathered ``(world, 16)`` uint8 tags; raise unless every row is ``expected``."""
+    if torch.equal(headers, expected.expand_as(headers)):
         return
+    rows = headers.reshape(-1).clone().view(torch.int64).view(-1, 2).tolist()
     lines = []
-    for rank, (magic, other_uid, other_count) in enumerate(rows):
+    for rank, (magic, other_uid) in enumerate(rows):
         what = describe(other_uid) if magic == MAGIC else "<not a fully_shard all-gather>"
-        lines.append(f"  rank {rank}: {what}, its all-gather #{other_count + 1}")
+        lines.append(f"  rank {rank}: {what}")
     raise ExecutionOrderError(
         "Ranks all-gathered different sharded modules; every rank must run fully_shard modules "
         "in the same order (check data-dependent control flow):\n" + "\n".join(lines)

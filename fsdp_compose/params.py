@@ -43,6 +43,15 @@ def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
     return out.set_(storage_owner.untyped_storage(), 0, shape, strides)
 
 
+def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor with ``param``'s layout around ``local``, reusing its spec.
+
+    ``DTensor.from_local`` validates and rebuilds the spec through an autograd function,
+    which costs tens of microseconds per gradient; the layout here is known to match.
+    """
+    return DTensor(local, param._spec, requires_grad=False)
+
+
 class ShardedParam:
     """Rows ``[rank * rows_per_rank, ...)`` of one parameter, and the means to rebuild it.
 
@@ -97,27 +106,33 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         # called with the unsharded parameter after autograd accumulated its gradient
         self.on_grad_accumulated = None
-        # (world, padded_numel) view of the unsharded storage: the copy-out target.
+        # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
         self._gather_target: torch.Tensor | None = None
         self._padding = torch.zeros(self.padded_numel - self.local_numel, dtype=self.dtype, device=device)
+        self._pieces_source: torch.Tensor | None = None
+        self._pieces: list[torch.Tensor] = []
 
     # ----- sharded side -----------------------------------------------------------------
     def local_tensor(self) -> torch.Tensor:
         """The current local shard (the optimizer may have replaced the object)."""
         return self.sharded_param._local_tensor
 
-    def padded_local_pieces(self) -> list[torch.Tensor]:
-        """This rank's all-gather contribution, as pieces to concatenate."""
-        local = self.local_tensor().reshape(-1)
-        if self._padding.numel() == 0:
-            return [local]
-        return [local, self._padding]
+    def gather_pieces(self) -> list[torch.Tensor]:
+        """This rank's all-gather contribution as byte pieces to concatenate (cached views)."""
+        local = self.local_tensor()
+        if local is not self._pieces_source:
+            pieces = [local.reshape(-1).view(torch.uint8)]
+            if self._padding.numel():
+                pieces.append(self._padding.view(torch.uint8))
+            self._pieces_source, self._pieces = local, pieces
+        return self._pieces
 
     def follow_local_device(self) -> torch.device:
         """Adopt the device the local shard lives on now (after ``to_empty`` from meta)."""
         device = self.local_tensor().device
         if self._padding.device != device:
             self._padding = torch.zeros(self._padding.shape, dtype=self.dtype, device=device)
+            self._pieces_source = None
         return device
 
     # ----- unsharded side ---------------------------------------------------------------
@@ -127,12 +142,14 @@ class ShardedParam:
             alias(storage_owner, self.shape, contiguous_strides(self.shape)),
             requires_grad=self.requires_grad,
         )
-        self._gather_target = alias(storage_owner, (self.world_size, self.padded_numel), (self.padded_numel, 1))
+        self._gather_target = alias(storage_owner, (self.world_size, self.padded_numel), (self.padded_numel, 1)).view(
+            torch.uint8
+        )
         if self.requires_grad and self.on_grad_accumulated is not None:
             self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
 
     def alloc_unsharded(self, device: torch.device) -> torch.Tensor:
-        """Give the unsharded parameter storage again; return the copy-out target."""
+        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target."""
         if self.unsharded_param is None:
             self._create_unsharded(device)
         else:
@@ -174,13 +191,6 @@ class ShardedParam:
         local_grad = local_grad.view(self.local_shape)
         current = self.sharded_param.grad
         if current is None:
-            self.sharded_param.grad = DTensor.from_local(
-                local_grad.to(self.dtype),
-                self.mesh,
-                [Shard(0)],
-                run_check=False,
-                shape=self.shape,
-                stride=contiguous_strides(self.shape),
-            )
+            self.sharded_param.grad = like_sharded(self.sharded_param, local_grad.to(self.dtype))
         else:
             current._local_tensor.add_(local_grad)

@@ -141,8 +141,8 @@ def test_ranks_running_different_orders_raise_everywhere():
         results[0][0],
         """\
 Ranks all-gathered different sharded modules; every rank must run fully_shard modules in the same order (check data-dependent control flow):
-  rank 0: 'blocks.0' (Block), its all-gather #1
-  rank 1: 'blocks.2' (Block), its all-gather #1""",
+  rank 0: 'blocks.0' (Block)
+  rank 1: 'blocks.2' (Block)""",
     )
 
 
