@@ -6,6 +6,7 @@ all-gathers them just before use and reduce-scatters their gradients. Code writt
 """
 
 from .api import fully_shard
+from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
@@ -16,4 +17,6 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "init_sharded_parameters",
+    "sync_module_states",
 ]

@@ -15,7 +15,7 @@ from .hooks.forward import post_forward, pre_forward
 from .mesh import default_mesh, mesh_device
 from .module import FSDPModule, become_fsdp_module
 from .params import ParamPlace, ShardedParam
-from .policies import MixedPrecisionPolicy, OffloadPolicy
+from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
 
 
@@ -111,8 +111,12 @@ def fully_shard(
         mesh: a 1-D data-parallel mesh; default: all ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward and all-gather
             again in backward (saves memory). ``None``: True, except for the root.
-        shard_placement_fn, mp_policy, offload_policy: accepted for compatibility with
-            ``torch.distributed.fsdp.fully_shard``; non-default values are not supported yet.
+        mp_policy: dtypes for the all-gather (``param_dtype``), the gradient reduction
+            (``reduce_dtype``) and forward outputs; shards, gradients and optimizer state keep
+            the parameters' own dtypes.
+        offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU (the
+            optimizer steps there) and moves them to the compute device for the all-gather.
+        shard_placement_fn: accepted for compatibility; only dim-0 sharding is supported.
         ignored_params: parameters left unsharded, without hooks.
 
     Returns:
@@ -130,10 +134,9 @@ def fully_shard(
         mesh,
         {
             "shard_placement_fn": (shard_placement_fn, None),
-            "mp_policy": (mp_policy, MixedPrecisionPolicy()),
-            "offload_policy": (offload_policy, OffloadPolicy()),
         },
     )
+    validate_policies(class_name(module), mesh.device_type, mp_policy, offload_policy)
     if not isinstance(reshard_after_forward, (bool, type(None))):
         raise NotImplementedError(
             f"fully_shard({class_name(module)}, reshard_after_forward={reshard_after_forward!r}): "
@@ -143,7 +146,12 @@ def fully_shard(
     places, names = _managed_params(module, ignored)
     param_device = _check_one_device(module, names)
     device = param_device if param_device is not None and param_device.type == "meta" else mesh_device(mesh)
-    sharded = [ShardedParam(param, places[param], names[param], mesh, device) for param in places]
+    sharded = [
+        ShardedParam(
+            param, places[param], names[param], mesh, resolve_layout(param.dtype, device, mp_policy, offload_policy)
+        )
+        for param in places
+    ]
 
     # Nothing above changed the model; from here on, commit.
     group = ParamGroup(sharded, mesh, device, label=class_name(module))
@@ -152,6 +160,7 @@ def fully_shard(
         module=module,
         group=group,
         reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+        mp_policy=mp_policy,
     )
     for index, (original, sp) in enumerate(zip(places, sharded)):
         sp.on_grad_accumulated = lambda _param, state=state, index=index: on_grad_accumulated(state, index)

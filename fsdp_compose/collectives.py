@@ -85,9 +85,13 @@ def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.T
         torch.split_with_sizes_copy(gathered, layout.sizes, dim=1, out=targets)
 
 
-def reduce_scatter_rows(rows: list[torch.Tensor], group, stats: CommStats) -> tuple[object, torch.Tensor]:
+def reduce_scatter_rows(
+    rows: list[torch.Tensor], group, stats: CommStats, pre_divide: int = 1
+) -> tuple[object, torch.Tensor]:
     """Start one reduce-scatter (sum) of column blocks; rank r receives row r."""
-    table = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].contiguous()
+    table = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].clone()
+    if pre_divide != 1:
+        table.div_(pre_divide)
     output = table.new_empty(table.shape[1])
     stats.reduce_scatters += 1
     stats.reduce_scatter_bytes += table.numel() * table.element_size()

@@ -44,9 +44,7 @@ class ParamGroup:
         self._all_present: dict[torch.dtype, torch.Tensor] = {}
         self.world_size = mesh.size()
         self.process_group = mesh.get_group()
-        self.layout = GatherLayout(
-            [p.padded_numel * p.sharded_param.element_size() for p in params], self.world_size
-        )
+        self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
         self.stats = CommStats()
         self.is_unsharded = False
         self.pending_unshard: PendingCollective | None = None
@@ -79,7 +77,7 @@ class ParamGroup:
             verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
         with torch.no_grad():
-            targets = [p.alloc_unsharded(self.device) for p in self.params]
+            targets = [p.alloc_unsharded() for p in self.params]
             copy_out(gathered, self.layout, targets)
         for p in self.params:
             p.use(unsharded=True)
@@ -121,7 +119,7 @@ class ParamGroup:
         """
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for p in self.trainable:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
         with torch.no_grad():
             for dtype, params in by_dtype.items():
                 grads = [p.unsharded_param.grad if p.unsharded_param is not None else None for p in params]
@@ -130,7 +128,9 @@ class ParamGroup:
                 for p in params:
                     if p.unsharded_param is not None:
                         p.unsharded_param.grad = None
-                work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats)
+                # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
+                pre_divide = self.world_size if dtype.itemsize < 4 else 1
+                work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats, pre_divide)
                 self.pending_reduces.append(PendingCollective(work, partial(self._finish_reduce, params, reduced)))
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
@@ -145,8 +145,9 @@ class ParamGroup:
         return flags.expand(self.world_size, -1)
 
     def _finish_reduce(self, params: list[ShardedParam], reduced: torch.Tensor) -> None:
-        reduced.div_(self.world_size)
         received = reduced[-len(params):].tolist()
+        if reduced.dtype.itemsize >= 4:
+            reduced.div_(self.world_size)
         offset = 0
         for p, flag in zip(params, received):
             if flag > 0:

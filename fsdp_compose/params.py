@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 
 
 @dataclass
@@ -23,6 +23,21 @@ class ParamPlace:
 
     module: nn.Module
     name: str
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where and in which dtypes one parameter lives, from the group's policies.
+
+    ``storage_device`` holds the shard, its gradient and (through the optimizer) its state;
+    ``compute_device`` holds the unsharded parameter. They differ only under CPU offload.
+    """
+
+    compute_device: torch.device
+    storage_device: torch.device
+    gather_dtype: torch.dtype  # dtype of the all-gather and of the unsharded parameter
+    reduce_dtype: torch.dtype  # dtype of the gradient reduce-scatter
+    pin_memory: bool = False
 
 
 def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -66,7 +81,7 @@ class ShardedParam:
         places: list[ParamPlace],
         fqn: str,
         mesh: DeviceMesh,
-        device: torch.device,
+        layout: ParamLayout,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -76,6 +91,7 @@ class ShardedParam:
         self.fqn = fqn
         self.places = places
         self.mesh = mesh
+        self.layout = layout
         self.world_size = mesh.size()
         self.rank = mesh.get_local_rank()
         self.shape = param.shape
@@ -86,12 +102,16 @@ class ShardedParam:
         self.padded_numel = self.rows_per_rank * self.row_numel
         start = min(self.rank * self.rows_per_rank, param.shape[0])
         end = min(start + self.rows_per_rank, param.shape[0])
+        self.row_range = (start, end)  # this rank's rows of the full parameter
         self.local_rows = end - start
         self.local_numel = self.local_rows * self.row_numel
         self.local_shape = torch.Size((self.local_rows, *param.shape[1:]))
 
         with torch.no_grad():
-            local = param.detach()[start:end].to(device).clone(memory_format=torch.contiguous_format)
+            local = param.detach()[start:end].to(layout.storage_device)
+            local = local.clone(memory_format=torch.contiguous_format)
+            if layout.pin_memory:
+                local = local.pin_memory()
         self.sharded_param = nn.Parameter(
             DTensor.from_local(
                 local,
@@ -108,36 +128,57 @@ class ShardedParam:
         self.on_grad_accumulated = None
         # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
         self._gather_target: torch.Tensor | None = None
-        self._padding = torch.zeros(self.padded_numel - self.local_numel, dtype=self.dtype, device=device)
+        self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
+
+    def _zeros(self, numel: int, device: torch.device) -> torch.Tensor:
+        return torch.zeros(numel, dtype=self.layout.gather_dtype, device=device)
+
+    @property
+    def gather_element_size(self) -> int:
+        return torch.empty((), dtype=self.layout.gather_dtype).element_size()
 
     # ----- sharded side -----------------------------------------------------------------
     def local_tensor(self) -> torch.Tensor:
         """The current local shard (the optimizer may have replaced the object)."""
         return self.sharded_param._local_tensor
 
-    def gather_pieces(self) -> list[torch.Tensor]:
-        """This rank's all-gather contribution as byte pieces to concatenate (cached views)."""
-        local = self.local_tensor()
-        if local is not self._pieces_source:
-            pieces = [local.reshape(-1).view(torch.uint8)]
-            if self._padding.numel():
-                pieces.append(self._padding.view(torch.uint8))
-            self._pieces_source, self._pieces = local, pieces
-        return self._pieces
-
     def follow_local_device(self) -> torch.device:
         """Adopt the device the local shard lives on now (after ``to_empty`` from meta)."""
         device = self.local_tensor().device
-        if self._padding.device != device:
-            self._padding = torch.zeros(self._padding.shape, dtype=self.dtype, device=device)
+        if self.layout.compute_device.type == "meta" or self.layout.storage_device.type == "meta":
+            compute = device if self.layout.compute_device.type == "meta" else self.layout.compute_device
+            self.layout = ParamLayout(compute, device, self.layout.gather_dtype, self.layout.reduce_dtype)
+        if self._padding.device != self.layout.compute_device:
+            self._padding = self._zeros(self._padding.numel(), self.layout.compute_device)
             self._pieces_source = None
-        return device
+        return self.layout.compute_device
+
+    def gather_pieces(self) -> list[torch.Tensor]:
+        """This rank's all-gather contribution as byte pieces to concatenate.
+
+        The shard is moved to the compute device and cast to the gather dtype once, before
+        the collective (so bf16 halves the bytes moved); without either, the byte views are
+        cached.
+        """
+        local = self.local_tensor()
+        if local.device != self.layout.compute_device or local.dtype != self.layout.gather_dtype:
+            local = local.to(self.layout.compute_device, self.layout.gather_dtype, non_blocking=True)
+            return self._as_pieces(local)
+        if local is not self._pieces_source:
+            self._pieces_source, self._pieces = local, self._as_pieces(local)
+        return self._pieces
+
+    def _as_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        pieces = [local.reshape(-1).view(torch.uint8)]
+        if self._padding.numel():
+            pieces.append(self._padding.view(torch.uint8))
+        return pieces
 
     # ----- unsharded side ---------------------------------------------------------------
-    def _create_unsharded(self, device: torch.device) -> None:
-        storage_owner = torch.empty(self.world_size * self.padded_numel, dtype=self.dtype, device=device)
+    def _create_unsharded(self) -> None:
+        storage_owner = self._zeros(self.world_size * self.padded_numel, self.layout.compute_device)
         self.unsharded_param = nn.Parameter(
             alias(storage_owner, self.shape, contiguous_strides(self.shape)),
             requires_grad=self.requires_grad,
@@ -148,10 +189,10 @@ class ShardedParam:
         if self.requires_grad and self.on_grad_accumulated is not None:
             self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
 
-    def alloc_unsharded(self, device: torch.device) -> torch.Tensor:
+    def alloc_unsharded(self) -> torch.Tensor:
         """Give the unsharded parameter storage again; return the (world, bytes) copy-out target."""
         if self.unsharded_param is None:
-            self._create_unsharded(device)
+            self._create_unsharded()
         else:
             storage = self.unsharded_param.untyped_storage()
             nbytes = self.world_size * self.padded_numel * self.unsharded_param.element_size()
@@ -177,20 +218,24 @@ class ShardedParam:
 
     # ----- gradients --------------------------------------------------------------------
     def padded_grad_rows(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """The unsharded gradient as (world, padded_numel), zero-filled as needed."""
+        """The unsharded gradient as (world, padded_numel) in the reduce dtype, zero-filled as needed."""
+        dtype = self.layout.reduce_dtype
         if grad is None:
-            return torch.zeros(self.world_size, self.padded_numel, dtype=self.dtype, device=self._padding.device)
-        flat = grad.reshape(-1)
+            return torch.zeros(self.world_size, self.padded_numel, dtype=dtype, device=self.layout.compute_device)
+        flat = grad.reshape(-1).to(dtype)
         missing = self.world_size * self.padded_numel - flat.numel()
         if missing:
             flat = torch.cat([flat, flat.new_zeros(missing)])
         return flat.view(self.world_size, self.padded_numel)
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
-        """Add this rank's reduced gradient shard into the sharded ``.grad``."""
+        """Add this rank's reduced gradient shard into the sharded ``.grad`` (own dtype and device)."""
         local_grad = local_grad.view(self.local_shape)
         current = self.sharded_param.grad
         if current is None:
-            self.sharded_param.grad = like_sharded(self.sharded_param, local_grad.to(self.dtype))
+            local_grad = local_grad.to(self.layout.storage_device, self.dtype, non_blocking=True)
+            if self.layout.pin_memory:
+                local_grad = local_grad.pin_memory()
+            self.sharded_param.grad = like_sharded(self.sharded_param, local_grad)
         else:
-            current._local_tensor.add_(local_grad)
+            current._local_tensor.add_(local_grad.to(current._local_tensor.device))

@@ -33,3 +33,49 @@ class CPUOffloadPolicy(OffloadPolicy):
     """Keep sharded parameters, gradients and optimizer state on CPU."""
 
     pin_memory: bool = True
+
+
+def validate_policies(
+    module_name: str, mesh_device_type: str, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
+) -> None:
+    """Reject policies that cannot work, naming the module and the field at fault."""
+    for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        dtype = getattr(mp_policy, field_name)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(
+                f"fully_shard({module_name}, mp_policy=...): {field_name}={dtype} is not a floating-point dtype"
+            )
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh_device_type not in ("cpu", _accelerator_type()):
+        raise ValueError(
+            f"fully_shard({module_name}, offload_policy=CPUOffloadPolicy()): the mesh is on '{mesh_device_type}' "
+            f"but this process computes on '{_accelerator_type()}'; offloading moves shards between CPU and "
+            "the mesh's device, so build the mesh on the compute device"
+        )
+
+
+def _accelerator_type() -> str:
+    from .mesh import default_device_type
+
+    return default_device_type()
+
+
+def resolve_layout(
+    dtype: torch.dtype,
+    compute_device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+):
+    """Where one parameter's shard lives and which dtypes its collectives use."""
+    from .params import ParamLayout
+
+    floating = dtype.is_floating_point
+    gather_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype is not None else dtype
+    if floating and mp_policy.reduce_dtype is not None:
+        reduce_dtype = mp_policy.reduce_dtype
+    else:
+        reduce_dtype = gather_dtype
+    offload = isinstance(offload_policy, CPUOffloadPolicy) and compute_device.type != "meta"
+    storage_device = torch.device("cpu") if offload else compute_device
+    # pinning needs an accelerator; on a CPU-only build the shard is already where it computes
+    pin = offload and offload_policy.pin_memory and compute_device.type != "cpu"
+    return ParamLayout(compute_device, storage_device, gather_dtype, reduce_dtype, pin)

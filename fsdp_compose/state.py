@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .group import ParamGroup
+from .policies import MixedPrecisionPolicy
 
 
 @dataclass(eq=False)
@@ -23,6 +24,7 @@ class GroupState:
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     is_last_backward: bool = True
+    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: RootState | None = None
     fqn: str = ""
     # explicit prefetch targets (None: follow the recorded order)

@@ -19,6 +19,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 120.0
+# Workers return freed tensors' memory to the OS at once, so RSS-based memory tests measure
+# live bytes rather than allocator caching (read by glibc when each worker starts).
+os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
 
 
 class RankFailure(AssertionError):

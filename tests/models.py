@@ -100,17 +100,22 @@ def train_against_reference(
     steps: int = 4,
     step_fn: Callable | None = None,
     lr: float = 1e-2,
+    sharded: Callable[[], nn.Module] | None = None,
 ) -> dict:
     """Train a sharded copy on each rank's slice and a full copy on the global batch.
 
     ``step_fn(model, batch, rank, world_size)`` returns the loss after calling backward; the
-    default is one forward/backward on the batch.
+    default is one forward/backward on the batch. ``sharded()``, if given, builds the sharded
+    model itself (for example by deferred init) instead of copying and sharding the reference.
     """
     rank, world_size = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     reference = build()
-    model = copy.deepcopy(reference)
-    shard(model)
+    if sharded is None:
+        model = copy.deepcopy(reference)
+        shard(model)
+    else:
+        model = sharded()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=lr)
     step_fn = step_fn or default_step

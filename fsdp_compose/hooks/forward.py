@@ -53,10 +53,22 @@ def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) ->
     return tree_unflatten(flat, spec)
 
 
+def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
+    """Cast every floating-point tensor in a pytree; leave everything else as it is."""
+    flat, spec = tree_flatten(tree)
+    if not any(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype for x in flat):
+        return tree
+    cast = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
+    return tree_unflatten(cast, spec)
+
+
 def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     if state.root is None:
         lazy_init(state, module)
     root = state.root
+    policy = state.mp_policy
+    if policy.cast_forward_inputs and policy.param_dtype is not None:
+        args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
     if root.in_backward:  # activation-checkpoint recomputation: just make the data available
         state.group.unshard()
         return args, kwargs
@@ -74,6 +86,8 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
 
 def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any) -> Any:
     root = state.root
+    if state.mp_policy.output_dtype is not None:
+        output = cast_floating(output, state.mp_policy.output_dtype)
     if root.in_backward:
         return output
     if not torch.is_grad_enabled():

@@ -1,0 +1,83 @@
+"""Deferred initialization: materialize a meta-device model shard by shard.
+
+Build the model under ``torch.device("meta")``, call ``fully_shard``, then
+``model.to_empty(device=...)`` allocates only each rank's shards. ``init_sharded_parameters``
+then runs each module's initializer at full size, one module at a time, and keeps this rank's
+rows: peak memory is the shards plus one module's full parameters, never the whole model.
+
+Why not just ``reset_parameters()`` on the sharded DTensors? On a CPU mesh, DTensor's random
+ops draw the same local values on every rank, so every shard would repeat the first one.
+Here every rank draws the full tensor from the same generator state, exactly as an eager
+``torch.manual_seed(s); Model()`` does when modules initialize in ``model.modules()`` order.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .params import ShardedParam
+from .state import state_of
+
+
+def _reset(module: nn.Module) -> None:
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+def _shards_by_param(model: nn.Module) -> dict[int, ShardedParam]:
+    return {
+        id(sp.sharded_param): sp
+        for m in model.modules()
+        if (s := state_of(m)) is not None and s.module is m
+        for sp in s.group.params
+    }
+
+
+@torch.no_grad()
+def init_sharded_parameters(model: nn.Module, init_fn: Callable[[nn.Module], None] | None = None) -> None:
+    """Run ``init_fn(module)`` (default ``module.reset_parameters()``) for every module, at full size.
+
+    Each module's own sharded parameters are temporarily replaced by full-size tensors on the
+    shard's device; after ``init_fn`` this rank's rows are copied into its shard.
+    """
+    init_fn = init_fn or _reset
+    shards = _shards_by_param(model)
+    for module in model.modules():
+        swapped = []
+        for name, param in module._parameters.items():
+            sp = shards.get(id(param))
+            if sp is None:
+                continue
+            full = nn.Parameter(
+                torch.empty(sp.shape, dtype=sp.dtype, device=sp.local_tensor().device), requires_grad=sp.requires_grad
+            )
+            module._parameters[name] = full
+            swapped.append((name, sp, full))
+        try:
+            init_fn(module)
+        finally:
+            for name, sp, full in swapped:
+                start, end = sp.row_range
+                sp.local_tensor().copy_(full.detach()[start:end])
+                module._parameters[name] = sp.sharded_param
+
+
+@torch.no_grad()
+def sync_module_states(module: nn.Module, src: int = 0, group: dist.ProcessGroup | None = None) -> None:
+    """Broadcast ``src``'s parameters and buffers so every rank starts identical.
+
+    Call it before ``fully_shard`` (FSDP1's ``sync_module_states=True``): once sharded, each rank
+    holds different rows and there is no full copy to broadcast.
+    """
+    for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+        if isinstance(tensor, DTensor):
+            raise ValueError(
+                f"sync_module_states: '{name}' is already sharded; call sync_module_states before fully_shard"
+            )
+        dist.broadcast(tensor.detach(), src=src, group=group)

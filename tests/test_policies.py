@@ -1,0 +1,202 @@
+"""Mixed precision, mixed dtypes in one group, and CPU offload, on real gloo ranks."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from expecttest import assert_expected_inline
+from torch import nn
+
+from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from fsdp_compose.state import state_of
+from tests.harness import run_on_ranks
+from tests.models import (
+    DIM,
+    HIDDEN,
+    TinyLM,
+    assert_parity,
+    global_batch,
+    lm_loss,
+    local_slice,
+    mean_across_ranks,
+    shard_blocks_then_root,
+    train_against_reference,
+)
+
+BF16_POLICY = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _bf16_training():
+    """bf16 compute, fp32 reduction, vs one process running the same bf16 compute on the global batch."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = TinyLM()
+    model = copy.deepcopy(reference)
+    shard_blocks_then_root(model, mp_policy=BF16_POLICY)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    batch = global_batch(0, world_size)  # one batch, repeated: the loss must fall
+    seen = {}
+
+    def record(module, args, output):
+        seen["block_output"] = output.dtype
+
+    model.blocks[0].register_forward_hook(record)
+    model.blocks[0].fc1.register_forward_hook(lambda m, a, o: seen.update(unsharded_dtype=m.weight.dtype))
+    losses, ref_losses = [], []
+    for _ in range(6):
+        low = copy.deepcopy(reference).to(torch.bfloat16)
+        ref_loss = lm_loss(low, batch)
+        ref_loss.backward()
+        for p, q in zip(reference.parameters(), low.parameters()):
+            p.grad = q.grad.float()
+        ref_losses.append(ref_loss.item())
+        loss = lm_loss(model, local_slice(batch, rank, world_size))
+        seen["loss_dtype"] = loss.dtype
+        loss.backward()
+        seen["grad_dtypes"] = sorted({str(p.grad.dtype) for p in model.parameters()})
+        seen["param_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+        losses.append(mean_across_ranks(loss.float()))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    stats = state_of(model.blocks[0]).group.stats
+    fp32_bytes = sum(sp.padded_numel * 4 * world_size for sp in state_of(model.blocks[0]).group.params)
+    seen["gather_bytes_vs_fp32"] = (stats.all_gather_bytes / stats.all_gathers - 16 * world_size) / fp32_bytes
+    seen["reduce_bytes_dtype"] = "fp32"
+    return losses, ref_losses, {k: str(v) for k, v in seen.items()}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bf16_params_fp32_reduce(world_size):
+    for losses, ref_losses, seen in run_on_ranks(world_size, _bf16_training):
+        # bf16 has 8 bits of mantissa: per-rank vs global-batch rounding differs by ~1e-2 relative
+        for ours, ref in zip(losses, ref_losses):
+            assert abs(ours - ref) <= 2e-2 * abs(ref), (losses, ref_losses)
+        assert losses[-1] < losses[0] - 0.3
+        assert seen == {
+            "unsharded_dtype": "torch.bfloat16",
+            "block_output": "torch.bfloat16",
+            "loss_dtype": "torch.bfloat16",
+            "grad_dtypes": "['torch.float32']",
+            "param_dtypes": "['torch.float32']",
+            "gather_bytes_vs_fp32": "0.5",
+            "reduce_bytes_dtype": "fp32",
+        }
+
+
+def _output_dtype_and_input_cast():
+    torch.manual_seed(0)
+    block = nn.Linear(DIM, 3)
+    fully_shard(block, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, output_dtype=torch.float32))
+    seen = {}
+    block.register_forward_hook(lambda m, args, out: seen.update(input=str(args[0].dtype)))
+    out = block(torch.randn(2, DIM))
+    out.sum().backward()
+    seen["output"] = str(out.dtype)
+    seen["grad"] = str(block.weight.grad.dtype)
+    return seen
+
+
+def test_output_dtype_and_input_cast():
+    (seen,) = run_on_ranks(1, _output_dtype_and_input_cast)
+    assert seen == {"input": "torch.bfloat16", "output": "torch.float32", "grad": "torch.float32"}
+
+
+class MixedBlock(nn.Module):
+    """fp32 norm next to bf16 linears in one group (torch's FSDP2 refuses this)."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc1 = nn.Linear(DIM, HIDDEN).to(torch.bfloat16)
+        self.fc2 = nn.Linear(HIDDEN, DIM).to(torch.bfloat16)
+
+    def forward(self, x):
+        h = self.fc2(F.gelu(self.fc1(self.norm(x).to(torch.bfloat16))))
+        return x + h.float()
+
+
+class MixedLM(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(MixedBlock() for _ in range(2))
+
+
+def _mixed_dtype_group(reduce_dtype):
+    from tests.test_collectives import count_collectives
+
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    result = train_against_reference(MixedLM, lambda m: shard_blocks_then_root(m, mp_policy=policy), lr=1e-3)
+    torch.manual_seed(0)
+    model = MixedLM()
+    shard_blocks_then_root(model, mp_policy=policy)
+    ids = torch.randint(0, 37, (2, 6))
+    with count_collectives() as counts:
+        lm_loss(model, ids).backward()
+    result["counts"] = dict(counts)
+    result["dtypes"] = sorted({str(p.grad.dtype) for p in model.blocks[0].parameters()})
+    return result
+
+
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float32])
+def test_mixed_dtypes_in_one_group(reduce_dtype):
+    results = run_on_ranks(2, _mixed_dtype_group, reduce_dtype)
+    # bf16 parameters: per-rank vs global-batch bf16 rounding; fp32 ones stay tight
+    assert_parity(results, tol=1e-2)
+    r = results[0]
+    assert r["dtypes"] == ["torch.bfloat16", "torch.float32"]
+    # 3 groups: one all-gather each forward + 2 blocks again in backward; reductions: one per dtype per group
+    rs = 3 + (2 if reduce_dtype is None else 0)
+    assert r["counts"] == {"all_gather_single": 5, "reduce_scatter_single": rs}, r["counts"]
+
+
+def _offload(offload):
+    def shard(model):
+        shard_blocks_then_root(model, offload_policy=CPUOffloadPolicy() if offload else OffloadPolicy())
+
+    result = train_against_reference(TinyLM, shard)
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard(model)
+    lm_loss(model, torch.randint(0, 37, (2, 6))).backward()
+    result["devices"] = sorted({str(p.device) for p in model.parameters()} | {str(p.grad.device) for p in model.parameters()})
+    return result
+
+
+def test_cpu_offload_matches_no_offload():
+    offloaded = run_on_ranks(2, _offload, True)
+    plain = run_on_ranks(2, _offload, False)
+    for a, b in zip(offloaded, plain):
+        assert a["devices"] == ["cpu"]
+        assert max(abs(x - y) for x, y in zip(a["losses"], b["losses"])) <= 1e-6
+        assert abs(a["param_diff"] - b["param_diff"]) <= 1e-6
+    assert_parity(offloaded)
+
+
+@pytest.fixture
+def _group(single_rank_group):
+    yield
+
+
+def test_non_floating_policy_dtype(_group):
+    with pytest.raises(ValueError) as info:
+        fully_shard(nn.Linear(2, 2), mp_policy=MixedPrecisionPolicy(param_dtype=torch.int32))
+    assert_expected_inline(
+        str(info.value), """fully_shard(Linear, mp_policy=...): param_dtype=torch.int32 is not a floating-point dtype"""
+    )
+
+
+def test_offload_with_mesh_on_another_device_type(_group):
+    from types import SimpleNamespace
+
+    mesh = SimpleNamespace(ndim=1, device_type="cuda")  # a CUDA mesh cannot be built here; only its type is read
+    with pytest.raises(ValueError) as info:
+        fully_shard(nn.Linear(2, 2), mesh=mesh, offload_policy=CPUOffloadPolicy())
+    assert_expected_inline(
+        str(info.value),
+        """fully_shard(Linear, offload_policy=CPUOffloadPolicy()): the mesh is on 'cuda' but this process computes on 'cpu'; offloading moves shards between CPU and the mesh's device, so build the mesh on the compute device""",
+    )
