@@ -78,10 +78,10 @@ def _check_one_device(module: nn.Module, names: dict[nn.Parameter, str]) -> torc
 
 def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, object]) -> None:
     name = class_name(module)
-    if mesh.ndim != 1:
-        raise NotImplementedError(
-            f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): only a 1-D mesh is supported so far; "
-            "HSDP on a 2-D (replicate, shard) mesh is not implemented yet"
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): pass a 1-D mesh (shard) or a 2-D mesh "
+            "(replicate, shard) for HSDP; for tensor parallelism pass the data-parallel sub-mesh"
         )
     for option, (value, default) in options.items():
         if value != default:
@@ -108,7 +108,9 @@ def fully_shard(
     Args:
         module: the module whose parameters (those not already managed by a nested call)
             form one group: one all-gather before its forward, one reduce-scatter in backward.
-        mesh: a 1-D data-parallel mesh; default: all ranks of the default process group.
+        mesh: a 1-D data-parallel mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP
+            (shard within the last dim, all-reduce gradients across the first); default: all
+            ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward and all-gather
             again in backward (saves memory). ``None``: True, except for the root.
         mp_policy: dtypes for the all-gather (``param_dtype``), the gradient reduction

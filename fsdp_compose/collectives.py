@@ -34,6 +34,8 @@ class CommStats:
     all_gather_bytes: int = 0
     reduce_scatters: int = 0
     reduce_scatter_bytes: int = 0
+    all_reduces: int = 0
+    all_reduce_bytes: int = 0
 
 
 @dataclass
@@ -97,3 +99,10 @@ def reduce_scatter_rows(
     stats.reduce_scatter_bytes += table.numel() * table.element_size()
     work = _reduce_scatter(output, table.view(-1), group, async_op=True)
     return work, output
+
+
+def all_reduce_sum(tensor: torch.Tensor, group, stats: CommStats) -> None:
+    """Sum a reduced gradient shard across HSDP replicas, in place."""
+    stats.all_reduces += 1
+    stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

@@ -13,6 +13,7 @@ from .collectives import (
     GatherLayout,
     PendingCollective,
     all_gather_flat,
+    all_reduce_sum,
     copy_out,
     reduce_scatter_rows,
 )
@@ -42,8 +43,13 @@ class ParamGroup:
         self.mesh = mesh
         self.device = device
         self._all_present: dict[torch.dtype, torch.Tensor] = {}
-        self.world_size = mesh.size()
-        self.process_group = mesh.get_group()
+        # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
+        # all-reduce of the reduced shards across the replicate dim
+        self.world_size = mesh.size(mesh.ndim - 1)
+        self.process_group = mesh.get_group(mesh.ndim - 1)
+        self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
+        self.dp_size = mesh.size()
+        self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
         self.stats = CommStats()
         self.is_unsharded = False
@@ -110,12 +116,14 @@ class ParamGroup:
     def has_unsharded_grads(self) -> bool:
         return any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in self.trainable)
 
-    def start_reduce(self) -> None:
+    def start_reduce(self, all_reduce: bool = True) -> None:
         """Reduce-scatter every trainable parameter's unsharded gradient, one collective per dtype.
 
         Parameters without a gradient on this rank send zeros, plus a flag, so ranks always
         issue the same collectives; a parameter no rank produced a gradient for keeps
         ``.grad`` as it was (``None`` for a fresh step), exactly like an unsharded model.
+        With HSDP and ``all_reduce=False`` the reduced shards are kept as partial sums and
+        folded into the next all-reduced reduction (gradient accumulation across replicas).
         """
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for p in self.trainable:
@@ -131,7 +139,8 @@ class ParamGroup:
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 pre_divide = self.world_size if dtype.itemsize < 4 else 1
                 work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats, pre_divide)
-                self.pending_reduces.append(PendingCollective(work, partial(self._finish_reduce, params, reduced)))
+                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce)
+                self.pending_reduces.append(PendingCollective(work, finish))
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
         """Every row holds this rank's has-gradient flags; the common all-present case is cached."""
@@ -144,10 +153,20 @@ class ParamGroup:
         flags = torch.tensor(present, dtype=dtype, device=self.device)
         return flags.expand(self.world_size, -1)
 
-    def _finish_reduce(self, params: list[ShardedParam], reduced: torch.Tensor) -> None:
+    def _finish_reduce(
+        self, params: list[ShardedParam], reduced: torch.Tensor, pre_divided: int, all_reduce: bool
+    ) -> None:
+        if self.replicate_group is not None:
+            earlier = self._partial.pop(reduced.dtype, None)
+            if earlier is not None:
+                reduced.add_(earlier)
+            if not all_reduce:
+                self._partial[reduced.dtype] = reduced
+                return
+            all_reduce_sum(reduced, self.replicate_group, self.stats)
         received = reduced[-len(params):].tolist()
-        if reduced.dtype.itemsize >= 4:
-            reduced.div_(self.world_size)
+        if self.dp_size != pre_divided:
+            reduced.div_(self.dp_size // pre_divided)
         offset = 0
         for p, flag in zip(params, received):
             if flag > 0:

@@ -60,6 +60,15 @@ class FSDPModule:
         for state in self._fsdp_states(recurse):
             state.requires_gradient_sync = requires_gradient_sync
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        """HSDP only: skip the all-reduce across replicas for accumulation steps.
+
+        Reduce-scatters still run; their results are kept as partial sums and all-reduced
+        together at the first backward with all-reduce back on.
+        """
+        for state in self._fsdp_states(recurse):
+            state.requires_all_reduce = requires_all_reduce
+
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep parameters unsharded after backward (saves an all-gather next forward)."""
         for state in self._fsdp_states(recurse):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 @dataclass
@@ -92,8 +92,10 @@ class ShardedParam:
         self.places = places
         self.mesh = mesh
         self.layout = layout
-        self.world_size = mesh.size()
-        self.rank = mesh.get_local_rank()
+        # the last mesh dim shards; a leading (HSDP) dim replicates
+        shard_dim = mesh.ndim - 1
+        self.world_size = mesh.size(shard_dim)
+        self.rank = mesh.get_local_rank(shard_dim)
         self.shape = param.shape
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
@@ -116,7 +118,7 @@ class ShardedParam:
             DTensor.from_local(
                 local,
                 mesh,
-                [Shard(0)],
+                [Replicate()] * shard_dim + [Shard(0)],
                 run_check=False,
                 shape=param.shape,
                 stride=contiguous_strides(param.shape),

@@ -23,6 +23,7 @@ class GroupState:
     reshard_after_forward: bool
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
+    requires_all_reduce: bool = True
     is_last_backward: bool = True
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: RootState | None = None

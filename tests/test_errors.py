@@ -60,11 +60,11 @@ def test_mixed_devices():
     )
 
 
-def test_two_dimensional_mesh():
-    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+def test_three_dimensional_mesh():
+    mesh = init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("a", "b", "c"))
     assert_expected_inline(
         message(lambda: fully_shard(Block(), mesh=mesh)),
-        """NotImplementedError: fully_shard(Block, mesh=<2-D mesh>): only a 1-D mesh is supported so far; HSDP on a 2-D (replicate, shard) mesh is not implemented yet""",
+        """ValueError: fully_shard(Block, mesh=<3-D mesh>): pass a 1-D mesh (shard) or a 2-D mesh (replicate, shard) for HSDP; for tensor parallelism pass the data-parallel sub-mesh""",
     )
 
 

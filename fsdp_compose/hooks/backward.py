@@ -82,7 +82,7 @@ def post_backward(state: GroupState) -> None:
     state.post_backward_done = True
     group = state.group
     if group.trainable and state.requires_gradient_sync:
-        group.start_reduce()
+        group.start_reduce(all_reduce=state.requires_all_reduce)
         reducing = state.root.reducing
         reducing.append(state)
         while len(reducing) > state.root.reduce_limit:  # bound the memory held by reductions
