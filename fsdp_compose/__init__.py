@@ -8,6 +8,7 @@ all-gathers them just before use and reduce-scatters their gradients. Code writt
 from .api import fully_shard
 from .module import FSDPModule, UnshardHandle
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
 
 __all__ = [
     "fully_shard",
@@ -16,4 +17,10 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "apply_fully_shard",
+    "ShardPlan",
+    "WrapPolicy",
+    "ModuleWrapPolicy",
+    "CustomPolicy",
+    "SizeBasedPolicy",
 ]
