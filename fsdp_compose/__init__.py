@@ -6,6 +6,7 @@ all-gathers them just before use and reduce-scatters their gradients. Code writt
 """
 
 from .api import fully_shard
+from .forward_methods import register_fsdp_forward_method
 from .module import FSDPModule, UnshardHandle
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
@@ -14,6 +15,7 @@ __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
+    "register_fsdp_forward_method",
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
