@@ -40,7 +40,7 @@ def shard(model, fully_shard, mesh):
 def check_against_local_tag(enabled: bool) -> None:
     """Let our order check run its full cost on the fake backend, whose outputs hold no data."""
     import fsdp_compose.group as group_module
-    from fsdp_compose.order_check import make_header, verify_headers
+    from fsdp_compose.order_check import verify_headers
 
     def verify_local(headers, expected, describe):
         world = headers.shape[0]
@@ -93,7 +93,8 @@ def main() -> None:
             times[name].append(median_time(step(model), args.steps))
     t = {name: min(v) for name, v in times.items()}
     overhead = {name: t[name] - t["compute"] for name in models if name != "compute"}
-    print(f"(b) fake process group, ws {args.world_size}, {args.groups} groups of Linear({args.dim},{args.dim}) + root; "
+    layer = f"Linear({args.dim},{args.dim})"
+    print(f"(b) fake process group, ws {args.world_size}, {args.groups} groups of {layer} + root; "
           f"forward+backward per step, best of {args.rounds} rounds of median-of-{args.steps}")
     print(f"    compute-only {t['compute'] * 1e3:.2f} ms/step")
     for name, value in overhead.items():

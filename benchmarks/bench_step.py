@@ -27,8 +27,9 @@ import torch.multiprocessing as mp  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
-from benchmarks.common import count_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
+
+from benchmarks.common import count_bytes, reset_peak_rss, rss_bytes  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, seq_len=128, dim=512, n_heads=8, n_layers=8)
 

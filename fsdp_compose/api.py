@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Callable, Iterable
 
 import torch
 from torch import nn
@@ -20,16 +20,18 @@ from .state import GroupState, class_name, describe_group, owner_of, register_ow
 
 
 def _managed_params(
-    module: nn.Module, ignored: set[nn.Parameter]
+    modules: list[nn.Module], ignored: set[nn.Parameter]
 ) -> tuple[dict[nn.Parameter, list[ParamPlace]], dict[nn.Parameter, str]]:
-    """Parameters in ``module``'s subtree not owned by a nested call and not ignored.
+    """Parameters in the modules' subtrees not owned by a nested call and not ignored.
 
     Returns every place each parameter is registered (a tied weight has several) and its
-    first name relative to ``module``.
+    first name relative to its module (prefixed by the module's index when there are several).
     """
+    module = modules[0]
     places: dict[nn.Parameter, list[ParamPlace]] = {}
     names: dict[nn.Parameter, str] = {}
-    stack: list[tuple[str, nn.Module]] = [("", module)]
+    prefixes = [""] if len(modules) == 1 else [f"[{i}]." for i in range(len(modules))]
+    stack: list[tuple[str, nn.Module]] = list(zip(prefixes, modules))[::-1]
     while stack:
         prefix, current = stack.pop()
         for name, param in current._parameters.items():
@@ -38,17 +40,19 @@ def _managed_params(
             fqn = f"{prefix}{name}"
             owner = owner_of(param)
             if owner is not None:
-                _raise_owned(module, fqn, owner, param)
+                _raise_owned(module, fqn, owner, param, current, prefix)
             places.setdefault(param, []).append(ParamPlace(current, name))
             names.setdefault(param, fqn)
         children = list(current.named_children())
         for child_name, child in reversed(children):
-            if state_of(child) is None:
+            if state_of(child) is None and child not in modules:
                 stack.append((f"{prefix}{child_name}.", child))
     return places, names
 
 
-def _raise_owned(module: nn.Module, fqn: str, owner: GroupState, param: nn.Parameter) -> None:
+def _raise_owned(
+    module: nn.Module, fqn: str, owner: GroupState, param: nn.Parameter, user: nn.Module, user_path: str
+) -> None:
     here = class_name(module)
     there = class_name(owner.module)
     if param in {p.sharded_param for p in owner.group.params}:
@@ -56,10 +60,12 @@ def _raise_owned(module: nn.Module, fqn: str, owner: GroupState, param: nn.Param
             f"fully_shard({here}): parameter '{fqn}' is already sharded by fully_shard on an "
             f"ancestor module ({there}); call fully_shard on submodules before their parents"
         )
+    user_name = f"{class_name(user)} '{user_path.rstrip('.') or '<self>'}'"
     raise ValueError(
-        f"fully_shard({here}): parameter '{fqn}' is shared with a module already sharded by "
-        f"fully_shard({there}); a parameter may belong to one group only: call fully_shard on a "
-        "module that contains every user of the shared parameter, or ignore it (ignored_params)"
+        f"fully_shard({here}): parameter '{fqn}' of {user_name} is already in the group of "
+        f"fully_shard({there}); a parameter may belong to one group only: shard its users together "
+        f"first, fully_shard([the {there}, the {user_name}]), or shard one module that contains all "
+        "of them, or ignore it (ignored_params)"
     )
 
 
@@ -89,7 +95,7 @@ def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, o
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -108,6 +114,8 @@ def fully_shard(
     Args:
         module: the module whose parameters (those not already managed by a nested call)
             form one group: one all-gather before its forward, one reduce-scatter in backward.
+            A list of modules forms one group together (e.g. a tied embedding and output
+            projection): whichever runs first gathers it.
         mesh: a 1-D data-parallel mesh, or a 2-D ``(replicate, shard)`` mesh for HSDP
             (shard within the last dim, all-reduce gradients across the first); default: all
             ranks of the default process group.
@@ -122,14 +130,15 @@ def fully_shard(
         ignored_params: parameters left unsharded, without hooks.
 
     Returns:
-        ``module`` itself, now also an ``FSDPModule``.
+        ``module`` itself (or the list), now also an ``FSDPModule``.
     """
-    if isinstance(module, (list, tuple)):
-        raise NotImplementedError("fully_shard([modules]): grouping several modules is not implemented yet")
-    if state_of(module) is not None:
-        raise ValueError(
-            f"fully_shard was already called on this {class_name(module)} module; call it once per module"
-        )
+    modules = list(module) if isinstance(module, (list, tuple)) else [module]
+    if not modules:
+        raise ValueError("fully_shard([]): pass at least one module")
+    for m in modules:
+        if state_of(m) is not None:
+            raise ValueError(f"fully_shard was already called on this {class_name(m)} module; call it once per module")
+    module_list, module = module, modules[0]
     mesh = mesh if mesh is not None else default_mesh()
     _check_unsupported(
         module,
@@ -145,7 +154,7 @@ def fully_shard(
             "resharding to a smaller group of ranks is not implemented yet; pass True or False"
         )
     ignored = set(ignored_params or ())
-    places, names = _managed_params(module, ignored)
+    places, names = _managed_params(modules, ignored)
     param_device = _check_one_device(module, names)
     device = param_device if param_device is not None and param_device.type == "meta" else mesh_device(mesh)
     sharded = [
@@ -160,6 +169,7 @@ def fully_shard(
     group.describe = describe_group
     state = GroupState(
         module=module,
+        modules=modules,
         group=group,
         reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
         mp_policy=mp_policy,
@@ -170,14 +180,15 @@ def fully_shard(
         register_owner(original, state)
         register_owner(sp.sharded_param, state)
     register_state(state)
-    for buffer_owner in module.modules():
-        for name, buffer in buffer_owner._buffers.items():
-            if buffer is not None and buffer.device != device and device.type != "meta":
-                buffer_owner._buffers[name] = buffer.to(device)
-    module.register_forward_pre_hook(partial(pre_forward, state), prepend=True, with_kwargs=True)
-    module.register_forward_hook(partial(post_forward, state))
-    become_fsdp_module(module)
-    return module
+    for m in modules:
+        for buffer_owner in m.modules():
+            for name, buffer in buffer_owner._buffers.items():
+                if buffer is not None and buffer.device != device and device.type != "meta":
+                    buffer_owner._buffers[name] = buffer.to(device)
+        m.register_forward_pre_hook(partial(pre_forward, state), prepend=True, with_kwargs=True)
+        m.register_forward_hook(partial(post_forward, state))
+        become_fsdp_module(m)
+    return module_list
 
 
 __all__ = ["fully_shard", "FSDPModule"]

@@ -9,8 +9,8 @@ on gloo the transfer overlaps the main thread's compute.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist

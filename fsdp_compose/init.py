@@ -13,7 +13,7 @@ Here every rank draws the full tensor from the same generator state, exactly as 
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -21,7 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from .params import ShardedParam
-from .state import state_of
+from .state import states_in
 
 
 def _reset(module: nn.Module) -> None:
@@ -31,12 +31,7 @@ def _reset(module: nn.Module) -> None:
 
 
 def _shards_by_param(model: nn.Module) -> dict[int, ShardedParam]:
-    return {
-        id(sp.sharded_param): sp
-        for m in model.modules()
-        if (s := state_of(m)) is not None and s.module is m
-        for sp in s.group.params
-    }
+    return {id(sp.sharded_param): sp for _, s in states_in(model) for sp in s.group.params}
 
 
 @torch.no_grad()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .state import GroupState, class_name, state_of
+from .state import GroupState, class_name, state_of, states_in
 
 
 class UnshardHandle:
@@ -33,7 +33,7 @@ class FSDPModule:
     def _fsdp_states(self, recurse: bool) -> list[GroupState]:
         if not recurse:
             return [self._fsdp_state()]
-        return [s for m in self.modules() if (s := state_of(m)) is not None and s.module is m]
+        return [s for _, s in states_in(self)]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (e.g. ahead of its forward).

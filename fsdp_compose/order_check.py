@@ -15,7 +15,7 @@ never train silently either, but end in gloo's own size-mismatch abort.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -18,13 +18,14 @@ from .policies import MixedPrecisionPolicy
 class GroupState:
     """Per-call state: the group, its options, and this step's backward bookkeeping."""
 
-    module: nn.Module
+    module: nn.Module  # the first module of the call; errors and FQNs name it
     group: ParamGroup
     reshard_after_forward: bool
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
     is_last_backward: bool = True
+    modules: list[nn.Module] = field(default_factory=list)  # every module of the call
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: RootState | None = None
     fqn: str = ""
@@ -73,8 +74,8 @@ class RootState:
 
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed
 # registry: torch.utils.swap_tensors (used by module.to_empty) refuses tensors with weakrefs.
-_module_states: "weakref.WeakKeyDictionary[nn.Module, GroupState]" = weakref.WeakKeyDictionary()
-_states_by_uid: "weakref.WeakValueDictionary[int, GroupState]" = weakref.WeakValueDictionary()
+_module_states: weakref.WeakKeyDictionary[nn.Module, GroupState] = weakref.WeakKeyDictionary()
+_states_by_uid: weakref.WeakValueDictionary[int, GroupState] = weakref.WeakValueDictionary()
 _OWNER_ATTR = "_fsdp_compose_owner"
 
 
@@ -92,8 +93,23 @@ def state_of(module: nn.Module) -> GroupState | None:
     return _module_states.get(module)
 
 
+def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
+    """Every group in ``module``'s subtree with the name of its first module, in tree order.
+
+    A group of several modules (``fully_shard([a, b])``) is listed once.
+    """
+    found, seen = [], set()
+    for name, m in module.named_modules():
+        state = _module_states.get(m)
+        if state is not None and state not in seen:
+            seen.add(state)
+            found.append((name, state))
+    return found
+
+
 def register_state(state: GroupState) -> None:
-    _module_states[state.module] = state
+    for module in state.modules or [state.module]:
+        _module_states[module] = state
     _states_by_uid[state.group.uid] = state
 
 

@@ -8,8 +8,9 @@ A policy only *selects* modules (and optional per-module keyword overrides); it 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from torch import nn
 

@@ -46,7 +46,7 @@ def test_parameter_shared_across_groups():
     fully_shard(model[0])
     assert_expected_inline(
         message(lambda: fully_shard(model)),
-        """ValueError: fully_shard(Sequential): parameter '1.weight' is shared with a module already sharded by fully_shard(Embedding); a parameter may belong to one group only: call fully_shard on a module that contains every user of the shared parameter, or ignore it (ignored_params)""",
+        """ValueError: fully_shard(Sequential): parameter '1.weight' of Linear '1' is already in the group of fully_shard(Embedding); a parameter may belong to one group only: shard its users together first, fully_shard([the Embedding, the Linear '1']), or shard one module that contains all of them, or ignore it (ignored_params)""",
     )
 
 

@@ -8,8 +8,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..state import GroupState, RootState, class_name, state_of
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
+from ..state import GroupState, RootState, class_name, states_in
 from .backward import PostBackwardSignal, pre_backward, unshard_with_prefetch
 
 
@@ -19,7 +19,7 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
     Everything that can fail runs before anything is assigned, so a failed first forward
     leaves the model as it was and a second try can succeed.
     """
-    found = [(name, s) for name, m in module.named_modules() if (s := state_of(m)) is not None and s.module is m]
+    found = states_in(module)
     param_names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
     for name, s in found:
         for p in s.group.params:
