@@ -114,7 +114,7 @@ class ParamGroup:
 
     # ----- gradients --------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:
-        return any(p.unsharded_param is not None and p.unsharded_param.grad is not None for p in self.trainable)
+        return any(p.unsharded_grad() is not None for p in self.trainable)
 
     def start_reduce(self, all_reduce: bool = True) -> None:
         """Reduce-scatter every trainable parameter's unsharded gradient, one collective per dtype.
@@ -130,12 +130,11 @@ class ParamGroup:
             by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
         with torch.no_grad():
             for dtype, params in by_dtype.items():
-                grads = [p.unsharded_param.grad if p.unsharded_param is not None else None for p in params]
+                grads = [p.unsharded_grad() for p in params]
                 rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
                 rows.append(self._flag_rows(dtype, [g is not None for g in grads]))
                 for p in params:
-                    if p.unsharded_param is not None:
-                        p.unsharded_param.grad = None
+                    p.clear_unsharded_grad()
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 pre_divide = self.world_size if dtype.itemsize < 4 else 1
                 work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats, pre_divide)

@@ -49,6 +49,11 @@ def init_sharded_parameters(model: nn.Module, init_fn: Callable[[nn.Module], Non
             sp = shards.get(id(param))
             if sp is None:
                 continue
+            if sp.tp_spec is not None:
+                raise NotImplementedError(
+                    f"init_sharded_parameters: '{sp.fqn}' is tensor-parallel; initialize it before "
+                    "parallelize_module, or with DTensor ops on a device whose RNG DTensor supports"
+                )
             full = nn.Parameter(
                 torch.empty(sp.shape, dtype=sp.dtype, device=sp.local_tensor().device), requires_grad=sp.requires_grad
             )

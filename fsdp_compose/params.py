@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 
 @dataclass
@@ -67,6 +68,34 @@ def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor(local, param._spec, requires_grad=False)
 
 
+def spmd_layout(dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str) -> tuple[DeviceMesh, list[Placement]]:
+    """The mesh and placements of a shard: data-parallel alone, or data x tensor parallel.
+
+    A tensor-parallel parameter's local tensor is sharded again on dim 0 over ``dp_mesh``; the
+    result is described on the mesh both come from. When TP also shards dim 0 and its mesh dim
+    comes after dp's, rows are chunked by TP first, which ``_StridedShard`` expresses.
+    """
+    if tp_param is None:
+        return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(0)]
+    tp_mesh, (tp_placement,) = tp_param.device_mesh, tp_param.placements
+    root = dp_mesh._get_root_mesh()
+    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() is not root or root.ndim != 2:
+        raise ValueError(
+            f"parameter '{fqn}' is a DTensor on mesh {tp_mesh}; fully_shard can shard it further only when "
+            "it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. "
+            "mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])"
+        )
+    if tp_placement.is_partial():
+        raise ValueError(f"parameter '{fqn}' is a Partial DTensor; shard or replicate it before fully_shard")
+    dp_dim = root.mesh_dim_names.index(dp_mesh.mesh_dim_names[0])
+    tp_dim = root.mesh_dim_names.index(tp_mesh.mesh_dim_names[0])
+    placements: list[Placement] = [Replicate(), Replicate()]
+    placements[tp_dim] = tp_placement
+    strided = tp_placement.is_shard(0) and tp_dim > dp_dim
+    placements[dp_dim] = _StridedShard(0, split_factor=tp_mesh.size()) if strided else Shard(0)
+    return root, placements
+
+
 class ShardedParam:
     """Rows ``[rank * rows_per_rank, ...)`` of one parameter, and the means to rebuild it.
 
@@ -92,33 +121,38 @@ class ShardedParam:
         self.places = places
         self.mesh = mesh
         self.layout = layout
+        # tensor parallel: the TP-local tensor is what gets sharded and gathered here
+        self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        source = param._local_tensor if self.tp_spec is not None else param
+        spmd_mesh, placements = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn)
         # the last mesh dim shards; a leading (HSDP) dim replicates
         shard_dim = mesh.ndim - 1
         self.world_size = mesh.size(shard_dim)
         self.rank = mesh.get_local_rank(shard_dim)
-        self.shape = param.shape
+        self.shape = param.shape  # global shape
+        self.unsharded_shape = source.shape  # what the module sees: global, or TP-local under TP
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
-        self.row_numel = math.prod(param.shape[1:])
-        self.rows_per_rank = math.ceil(param.shape[0] / self.world_size)
+        self.row_numel = math.prod(source.shape[1:])
+        self.rows_per_rank = math.ceil(source.shape[0] / self.world_size)
         self.padded_numel = self.rows_per_rank * self.row_numel
-        start = min(self.rank * self.rows_per_rank, param.shape[0])
-        end = min(start + self.rows_per_rank, param.shape[0])
-        self.row_range = (start, end)  # this rank's rows of the full parameter
+        start = min(self.rank * self.rows_per_rank, source.shape[0])
+        end = min(start + self.rows_per_rank, source.shape[0])
+        self.row_range = (start, end)  # this rank's rows of the unsharded tensor
         self.local_rows = end - start
         self.local_numel = self.local_rows * self.row_numel
-        self.local_shape = torch.Size((self.local_rows, *param.shape[1:]))
+        self.local_shape = torch.Size((self.local_rows, *source.shape[1:]))
 
         with torch.no_grad():
-            local = param.detach()[start:end].to(layout.storage_device)
+            local = source.detach()[start:end].to(layout.storage_device)
             local = local.clone(memory_format=torch.contiguous_format)
             if layout.pin_memory:
                 local = local.pin_memory()
         self.sharded_param = nn.Parameter(
             DTensor.from_local(
                 local,
-                mesh,
-                [Replicate()] * shard_dim + [Shard(0)],
+                spmd_mesh,
+                placements,
                 run_check=False,
                 shape=param.shape,
                 stride=contiguous_strides(param.shape),
@@ -181,10 +215,10 @@ class ShardedParam:
     # ----- unsharded side ---------------------------------------------------------------
     def _create_unsharded(self) -> None:
         storage_owner = self._zeros(self.world_size * self.padded_numel, self.layout.compute_device)
-        self.unsharded_param = nn.Parameter(
-            alias(storage_owner, self.shape, contiguous_strides(self.shape)),
-            requires_grad=self.requires_grad,
-        )
+        local = alias(storage_owner, self.unsharded_shape, contiguous_strides(self.unsharded_shape))
+        if self.tp_spec is not None:  # the module expects its TP DTensor back
+            local = DTensor(local, self.tp_spec, requires_grad=self.requires_grad)
+        self.unsharded_param = nn.Parameter(local, requires_grad=self.requires_grad)
         self._gather_target = alias(storage_owner, (self.world_size, self.padded_numel), (self.padded_numel, 1)).view(
             torch.uint8
         )
@@ -196,21 +230,32 @@ class ShardedParam:
         if self.unsharded_param is None:
             self._create_unsharded()
         else:
-            storage = self.unsharded_param.untyped_storage()
-            nbytes = self.world_size * self.padded_numel * self.unsharded_param.element_size()
+            storage = self._gather_target.untyped_storage()
+            nbytes = self._gather_target.numel()
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
         return self._gather_target
 
     def free_unsharded(self) -> None:
-        if self.unsharded_param is not None:
-            self.unsharded_param.untyped_storage().resize_(0)
+        if self._gather_target is not None:
+            self._gather_target.untyped_storage().resize_(0)
 
     def unsharded_nbytes(self) -> int:
         """Bytes the unsharded storage holds now (0 when resharded)."""
-        if self.unsharded_param is None:
+        if self._gather_target is None:
             return 0
-        return self.unsharded_param.untyped_storage().nbytes()
+        return self._gather_target.untyped_storage().nbytes()
+
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The gradient autograd accumulated on the unsharded parameter (TP-local under TP)."""
+        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if isinstance(grad, DTensor):
+            return grad._local_tensor
+        return grad
+
+    def clear_unsharded_grad(self) -> None:
+        if self.unsharded_param is not None:
+            self.unsharded_param.grad = None
 
     def use(self, unsharded: bool) -> None:
         """Register the sharded or the unsharded parameter everywhere it lives."""

@@ -1,0 +1,71 @@
+"""2-D: tensor-parallel DTensor parameters sharded again over the data-parallel dim."""
+
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from fsdp_compose import fully_shard
+from tests.harness import run_on_ranks
+from tests.models import Block, TinyLM, global_batch, lm_loss, local_slice, max_param_diff
+
+
+class TPLM(TinyLM):
+    """Hidden width 30: even over tp=2 (torch's ColwiseParallel assumes even output shards),
+    uneven over dp=2 (15 TP-local rows become 8 and 7)."""
+
+    def __init__(self):
+        super().__init__(n_blocks=2)
+        self.blocks = torch.nn.ModuleList(Block(hidden=30) for _ in range(2))
+
+
+def _tp_fsdp():
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    torch.manual_seed(0)
+    reference = TPLM()
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        parallelize_module(block, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    fc1, fc2 = model.blocks[0].fc1.weight, model.blocks[0].fc2.weight
+    layout = {
+        "fc1": [str(p) for p in fc1.placements],
+        "fc2": [str(p) for p in fc2.placements],
+        "mesh_dims": fc1.device_mesh.mesh_dim_names,
+        "full_equal_at_start": torch.equal(fc1.full_tensor(), reference.blocks[0].fc1.weight),
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    dp_rank, dp_size = dp.get_local_rank(), dp.size()
+    losses = []
+    for step in range(4):
+        batch = global_batch(step, dp_size)
+        ref_loss = lm_loss(reference, batch)
+        ref_loss.backward()
+        loss = lm_loss(model, local_slice(batch, dp_rank, dp_size))
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append((mean.item() / dist.get_world_size(), ref_loss.item()))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    return layout, losses, max_param_diff(model, reference)
+
+
+def test_tp_plus_fsdp_matches_single_process():
+    for layout, losses, diff in run_on_ranks(4, _tp_fsdp):
+        assert layout == {
+            "fc1": ["_S(0, 2)", "S(0)"],  # dp splits the rows tp already split
+            "fc2": ["S(0)", "S(1)"],
+            "mesh_dims": ("dp", "tp"),
+            "full_equal_at_start": True,
+        }, layout
+        assert all(abs(a - b) <= 1e-5 for a, b in losses), losses
+        assert diff <= 1e-5, diff
