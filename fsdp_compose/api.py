@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from .group import ParamGroup
 from .hooks.backward import on_grad_accumulated
 from .hooks.forward import post_forward, pre_forward
-from .mesh import default_mesh, mesh_device
+from .mesh import default_mesh, mesh_device, post_forward_group
 from .module import FSDPModule, become_fsdp_module
 from .params import ParamPlace, ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
@@ -82,6 +82,19 @@ def _check_one_device(module: nn.Module, names: dict[nn.Parameter, str]) -> torc
     return next(iter(first_by_device), None)
 
 
+def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> int | None:
+    """``reshard_after_forward=<int>``: how many ranks keep the parameters after forward."""
+    if value is None or isinstance(value, bool):
+        return None
+    shard_size = mesh.size(mesh.ndim - 1)
+    if not isinstance(value, int) or value < 1 or shard_size % value:
+        raise ValueError(
+            f"fully_shard({name}, reshard_after_forward={value!r}): pass True, False or a number of ranks "
+            f"that divides the shard group size {shard_size} (e.g. the ranks of one node)"
+        )
+    return value
+
+
 def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, object]) -> None:
     name = class_name(module)
     if mesh.ndim not in (1, 2):
@@ -120,7 +133,9 @@ def fully_shard(
             (shard within the last dim, all-reduce gradients across the first); default: all
             ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward and all-gather
-            again in backward (saves memory). ``None``: True, except for the root.
+            again in backward (saves memory). ``None``: True, except for the root. An int N
+            (dividing the shard group size) keeps an N-way slice after forward, so backward
+            re-gathers within N consecutive ranks (one node) instead of the whole group.
         mp_policy: dtypes for the all-gather (``param_dtype``), the gradient reduction
             (``reduce_dtype``) and forward outputs; shards, gradients and optimizer state keep
             the parameters' own dtypes.
@@ -148,11 +163,11 @@ def fully_shard(
         },
     )
     validate_policies(class_name(module), mesh.device_type, mp_policy, offload_policy)
-    if not isinstance(reshard_after_forward, (bool, type(None))):
-        raise NotImplementedError(
-            f"fully_shard({class_name(module)}, reshard_after_forward={reshard_after_forward!r}): "
-            "resharding to a smaller group of ranks is not implemented yet; pass True or False"
-        )
+    post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
+    if post_forward_ranks is not None:
+        reshard_after_forward = post_forward_ranks < mesh.size(mesh.ndim - 1)
+        if post_forward_ranks == 1:
+            post_forward_ranks = None
     ignored = set(ignored_params or ())
     places, names = _managed_params(modules, ignored)
     param_device = _check_one_device(module, names)
@@ -167,6 +182,8 @@ def fully_shard(
     # Nothing above changed the model; from here on, commit.
     group = ParamGroup(sharded, mesh, device, label=class_name(module))
     group.describe = describe_group
+    if post_forward_ranks is not None and reshard_after_forward:
+        group.set_post_forward_ranks(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
     state = GroupState(
         module=module,
         modules=modules,

@@ -30,6 +30,28 @@ def _new_uid() -> int:
     return _next_uid
 
 
+class PostForwardShard:
+    """What ``reshard_after_forward=<int>`` keeps: an N-way slice of every gathered parameter.
+
+    The padded ``(world, padded)`` layout splits into N contiguous row blocks, one per member
+    of this rank's N-rank group (consecutive ranks, e.g. one node), so the backward all-gather
+    runs within that group and copy-out reuses the same column split.
+    """
+
+    def __init__(self, group: ParamGroup, ranks: int, process_group) -> None:
+        self.ranks = ranks
+        self.process_group = process_group
+        self.index = group.mesh.get_local_rank(group.mesh.ndim - 1) % ranks
+        self.layout = GatherLayout(
+            [size * group.world_size // ranks for size in group.layout.sizes], ranks
+        )
+
+    def keep(self, header: torch.Tensor | None, targets: list[torch.Tensor]) -> torch.Tensor:
+        pieces = [] if header is None else [header]
+        pieces += [t.view(self.ranks, -1)[self.index] for t in targets]
+        return torch.cat(pieces)
+
+
 class ParamGroup:
     """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
 
@@ -50,6 +72,9 @@ class ParamGroup:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.dp_size = mesh.size()
         self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
+        # reshard_after_forward=<int>: after forward keep an N-way slice, re-gather within N ranks
+        self.post_forward: PostForwardShard | None = None
+        self._kept: torch.Tensor | None = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
         self.stats = CommStats()
         self.is_unsharded = False
@@ -66,25 +91,35 @@ class ParamGroup:
 
     # ----- unshard / reshard ------------------------------------------------------------
     def start_unshard(self) -> None:
-        """Issue the all-gather unless the group is unsharded or one is in flight."""
+        """Issue the all-gather unless the group is unsharded or one is in flight.
+
+        After a forward with ``reshard_after_forward=<int>`` the gather runs within the small
+        group from the slice kept after forward; otherwise across the shard dim from the shards.
+        """
         if self.is_unsharded or self.pending_unshard is not None or not self.params:
             if not self.params:
                 self.is_unsharded = True
             return
         with torch.no_grad():
-            pieces = [] if self.header is None else [self.header]
-            for p in self.params:
-                pieces.extend(p.gather_pieces())
-            work, gathered = all_gather_flat(pieces, self.layout, self.process_group, self.stats)
-        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered))
+            if self._kept is not None:
+                kept, self._kept = self._kept, None
+                layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
+                work, gathered = all_gather_flat([kept], layout, group, self.stats)
+            else:
+                pieces = [] if self.header is None else [self.header]
+                for p in self.params:
+                    pieces.extend(p.gather_pieces())
+                layout, rows = self.layout, self.world_size
+                work, gathered = all_gather_flat(pieces, layout, self.process_group, self.stats)
+        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, layout, rows))
 
-    def _finish_unshard(self, gathered: torch.Tensor) -> None:
+    def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
         if self.header is not None:
             verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
         with torch.no_grad():
-            targets = [p.alloc_unsharded() for p in self.params]
-            copy_out(gathered, self.layout, targets)
+            targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
+            copy_out(gathered, layout, targets)
         for p in self.params:
             p.use(unsharded=True)
         self.is_unsharded = True
@@ -98,19 +133,33 @@ class ParamGroup:
         self.start_unshard()
         self.wait_unshard()
 
-    def reshard(self) -> None:
-        """Free the unsharded storage and register the sharded DTensors again."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the unsharded storage and register the sharded DTensors again.
+
+        ``after_forward`` with a post-forward group keeps this rank's N-way slice for backward.
+        """
         if self.pending_unshard is not None:
             self.wait_unshard()
         if not self.is_unsharded:
+            self._kept = self._kept if after_forward else None
             return
+        if after_forward and self.post_forward is not None:
+            with torch.no_grad():
+                self._kept = self.post_forward.keep(self.header, [p.alloc_unsharded() for p in self.params])
+        else:
+            self._kept = None
         for p in self.params:
             p.use(unsharded=False)
             p.free_unsharded()
         self.is_unsharded = False
 
     def unsharded_nbytes(self) -> int:
-        return sum(p.unsharded_nbytes() for p in self.params)
+        """Bytes held for unsharded use now: gathered parameters, or the post-forward slice."""
+        kept = self._kept.numel() if self._kept is not None else 0
+        return kept + sum(p.unsharded_nbytes() for p in self.params)
+
+    def set_post_forward_ranks(self, ranks: int, process_group) -> None:
+        self.post_forward = PostForwardShard(self, ranks, process_group)
 
     # ----- gradients --------------------------------------------------------------------
     def has_unsharded_grads(self) -> bool:

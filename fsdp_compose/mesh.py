@@ -40,3 +40,22 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     module = getattr(torch, mesh.device_type)
     return torch.device(mesh.device_type, module.current_device())
+
+
+_post_forward_groups: dict[tuple, dist.ProcessGroup] = {}
+
+
+def post_forward_group(mesh: DeviceMesh, ranks: int) -> dist.ProcessGroup:
+    """This rank's group of ``ranks`` consecutive members of its shard group.
+
+    Every rank must create every subgroup in the same order, so all blocks of all shard
+    groups of the mesh are enumerated; they are made once per (mesh, size).
+    """
+    shard_size = mesh.size(mesh.ndim - 1)
+    all_ranks = mesh.mesh.reshape(-1, shard_size).tolist()
+    key = (tuple(map(tuple, all_ranks)), ranks)
+    if key not in _post_forward_groups:
+        blocks = [row[i : i + ranks] for row in all_ranks for i in range(0, shard_size, ranks)]
+        group, _ = dist.new_subgroups_by_enumeration(blocks)
+        _post_forward_groups[key] = group
+    return _post_forward_groups[key]

@@ -96,8 +96,8 @@ def test_zero_dim_parameter():
     )
 
 
-def test_options_not_yet_supported():
+def test_reshard_after_forward_must_divide_the_group():
     assert_expected_inline(
         message(lambda: fully_shard(Block(), reshard_after_forward=2)),
-        """NotImplementedError: fully_shard(Block, reshard_after_forward=2): resharding to a smaller group of ranks is not implemented yet; pass True or False""",
+        """ValueError: fully_shard(Block, reshard_after_forward=2): pass True, False or a number of ranks that divides the shard group size 1 (e.g. the ranks of one node)""",
     )

@@ -97,7 +97,7 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
         return output
     record_post_forward(root, state)
     if state.reshard_after_forward and not state.is_root:
-        state.group.reshard()
+        state.group.reshard(after_forward=True)
     flat, _ = tree_flatten(output)
     for x in flat:
         if isinstance(x, torch.Tensor) and x.requires_grad:

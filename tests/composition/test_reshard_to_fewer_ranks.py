@@ -1,0 +1,44 @@
+"""reshard_after_forward=<int>: after forward keep an N-way slice; backward gathers within N ranks."""
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compose.state import state_of
+from tests.harness import run_on_ranks
+from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
+
+
+def _parity(ranks):
+    result = train_against_reference(TinyLM, lambda m: shard_blocks_then_root(m, reshard_after_forward=ranks))
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model, reshard_after_forward=ranks)
+    group = state_of(model.blocks[0]).group
+    full_bytes = sum(p.world_size * p.padded_numel * 4 for p in group.params)
+    sizes = []
+    original = dist.all_gather_single
+
+    def record(output, input, group=None, async_op=False):
+        sizes.append(dist.get_world_size(group))
+        return original(output, input, group=group, async_op=async_op)
+
+    ids = torch.randint(0, 37, (2, 6))
+    loss = lm_loss(model, ids)
+    result["kept_after_forward"] = group.unsharded_nbytes() / full_bytes
+    dist.all_gather_single = record
+    try:
+        loss.backward()
+    finally:
+        dist.all_gather_single = original
+    result["backward_gather_group_sizes"] = sizes
+    result["after_backward"] = group.unsharded_nbytes()
+    return result
+
+
+def test_reshard_to_two_of_four_ranks():
+    results = run_on_ranks(4, _parity, 2)
+    assert_parity(results)
+    for r in results:
+        assert 0.5 <= r["kept_after_forward"] < 0.52  # half of the full group, plus a 16-byte tag
+        assert r["backward_gather_group_sizes"] == [2, 2, 2]  # the 3 blocks, within pairs of ranks
+        assert r["after_backward"] == 0
