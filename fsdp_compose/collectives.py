@@ -43,16 +43,18 @@ class PendingCollective:
     """An issued collective; ``finish`` waits and runs the copy-out once."""
 
     work: object
-    on_done: Callable[[], None]
+    on_done: Callable[[], None] | None
     done: bool = False
 
     def finish(self) -> None:
         if self.done:
             return
         self.done = True
-        if self.work is not None:
-            self.work.wait()
-        self.on_done()
+        work, self.work = self.work, None  # a gloo Work kept alive past shutdown aborts the process at exit
+        if work is not None:
+            work.wait()
+        on_done, self.on_done = self.on_done, None
+        on_done()
 
 
 @dataclass
