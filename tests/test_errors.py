@@ -76,7 +76,7 @@ def test_meta_parameter_reaching_forward_then_retry():
     x = torch.randn(2, 13)
     assert_expected_inline(
         message(lambda: model(x)),
-        """RuntimeError: Parameter '1.weight' of module '<root>' (Sequential) is still on the meta device at the first forward; materialize it first, e.g. module.to_empty(device=...) then reset_parameters()""",
+        """RuntimeError: Parameter '1.weight' of module '<root>' (Sequential) is still on the meta device at the first forward; materialize it first: model.to_empty(device=...) then fsdp_compose.init_sharded_parameters(model)""",
     )
     # the failed lazy init changed nothing: materialize and the same model runs
     model.to_empty(device="cpu")

@@ -27,8 +27,8 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
                 fqn = param_names.get(id(p.sharded_param), p.fqn)
                 raise RuntimeError(
                     f"Parameter '{fqn}' of module '{name or '<root>'}' ({class_name(s.module)}) "
-                    "is still on the meta device at the first forward; materialize it first, e.g. "
-                    "module.to_empty(device=...) then reset_parameters()"
+                    "is still on the meta device at the first forward; materialize it first: "
+                    "model.to_empty(device=...) then fsdp_compose.init_sharded_parameters(model)"
                 )
     root = RootState(root_state=state, states=[s for _, s in found])
     for name, s in found:
