@@ -17,6 +17,7 @@ from .module import FSDPModule, become_fsdp_module
 from .params import ParamPlace, ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy
 from .state import GroupState, owner_of, register_owner, register_state, state_of
+from .state_dict_hooks import register_state_dict_hooks
 
 
 def _managed_params(
@@ -158,6 +159,7 @@ def fully_shard(
         register_owner(original, state)
         register_owner(sp.sharded_param, state)
     register_state(state)
+    register_state_dict_hooks(state)
     for buffer_owner in module.modules():
         for name, buffer in buffer_owner._buffers.items():
             if buffer is not None and buffer.device != device and device.type != "meta":
