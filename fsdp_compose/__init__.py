@@ -6,8 +6,13 @@ all-gathers them just before use and reduce-scatters their gradients. Code writt
 """
 
 from .api import fully_shard
+from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint_check import CheckpointError
+from .clip import clip_grad_norm_
 from .module import FSDPModule, UnshardHandle
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .state_dict import full_state_dict, load_full_state_dict
+from .summon import summon_full_params
 
 __all__ = [
     "fully_shard",
@@ -16,4 +21,11 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "full_state_dict",
+    "load_full_state_dict",
+    "summon_full_params",
+    "clip_grad_norm_",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
 ]
