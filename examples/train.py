@@ -2,6 +2,7 @@
 
     python examples/train.py                       # spawns 2 gloo ranks on CPU
     torchrun --nproc-per-node 4 examples/train.py  # or any launcher that sets RANK/WORLD_SIZE
+    python examples/train.py --checkpoint-dir ckpt # save every --save-every steps; resume if present
 
 The only fsdp_compose-specific lines are the ``fully_shard`` calls; code written for
 ``torch.distributed.fsdp.fully_shard`` runs with the import changed.
@@ -20,7 +21,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
-from fsdp_compose import fully_shard  # noqa: E402
+from fsdp_compose import fully_shard, load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def train(args: argparse.Namespace) -> None:
@@ -32,7 +33,12 @@ def train(args: argparse.Namespace) -> None:
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    for step in range(args.steps):
+    start = 0
+    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir):
+        start, _ = load_checkpoint(args.checkpoint_dir, model, optimizer)  # any world size
+        if rank == 0:
+            print(f"resumed from {args.checkpoint_dir} at step {start}", flush=True)
+    for step in range(start, args.steps):
         loss = lm_loss(model, synthetic_batch(cfg, args.batch_size, step, rank))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -42,6 +48,9 @@ def train(args: argparse.Namespace) -> None:
         dist.all_reduce(reported)
         if rank == 0:
             print(f"step {step:3d}  loss {reported.item() / world_size:.4f}", flush=True)
+        done = step + 1
+        if args.checkpoint_dir and (done % args.save_every == 0 or done == args.steps):
+            save_checkpoint(args.checkpoint_dir, model, optimizer, step=done)
 
 
 def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
@@ -68,6 +77,8 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under torchrun")
+    parser.add_argument("--checkpoint-dir", default=None, help="save here every --save-every steps; resume from it")
+    parser.add_argument("--save-every", type=int, default=5)
     args = parser.parse_args()
     if "RANK" in os.environ:  # torchrun or another launcher
         dist.init_process_group("gloo")

@@ -6,10 +6,15 @@ all-gathers them just before use and reduce-scatters their gradients. Code writt
 """
 
 from .api import fully_shard
+from .checkpoint import load_checkpoint, save_checkpoint
+from .checkpoint_check import CheckpointError
+from .clip import clip_grad_norm_
 from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .state_dict import full_state_dict, load_full_state_dict
+from .summon import summon_full_params
 from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
 
 __all__ = [
@@ -28,4 +33,11 @@ __all__ = [
     "ModuleWrapPolicy",
     "CustomPolicy",
     "SizeBasedPolicy",
+    "full_state_dict",
+    "load_full_state_dict",
+    "summon_full_params",
+    "clip_grad_norm_",
+    "save_checkpoint",
+    "load_checkpoint",
+    "CheckpointError",
 ]

@@ -17,6 +17,7 @@ from .module import FSDPModule, become_fsdp_module
 from .params import ParamPlace, ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
+from .state_dict_hooks import register_state_dict_hooks
 
 
 def _managed_params(
@@ -198,6 +199,7 @@ def fully_shard(
         register_owner(sp.sharded_param, state)
     register_state(state)
     for m in modules:
+        register_state_dict_hooks(state, m)
         for buffer_owner in m.modules():
             for name, buffer in buffer_owner._buffers.items():
                 if buffer is not None and buffer.device != device and device.type != "meta":

@@ -1,0 +1,142 @@
+"""Atomic, resharding checkpoints of a model and its optimizer on ``torch.distributed.checkpoint``.
+
+A save writes into ``.<name>.partial`` next to ``path``; when every rank has finished, rank 0
+moves the previous checkpoint aside to ``.<name>.previous``, renames the new one into place and
+only then deletes the previous one. A rank dying mid-save therefore leaves the previous
+checkpoint where it was. A load checks the checkpoint's metadata against the model and
+optimizer first and reads into scratch tensors, so a mismatched or corrupt checkpoint raises
+``CheckpointError`` naming the key and leaves the model untouched. The state is saved sharded
+(DTensors), so a checkpoint loads at any world size. Every rank must see the same directory.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
+from .walk import reshard_idle
+
+
+def _siblings(path: Path) -> tuple[Path, Path]:
+    return path.with_name(f".{path.name}.partial"), path.with_name(f".{path.name}.previous")
+
+
+def _state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    state: dict[str, Any] = {"model": get_model_state_dict(model)}
+    if optimizer is not None:
+        state["optim"] = get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(path: Path, partial: Path, previous: Path) -> None:
+    """Rank 0: put the complete new checkpoint in place, keeping the old one until then."""
+    if path.exists():
+        if previous.exists():
+            shutil.rmtree(previous)
+        path.rename(previous)
+    partial.rename(path)
+    _fsync_dir(path.parent)
+    if previous.exists():
+        shutil.rmtree(previous)
+
+
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int = 0,
+    extra: Any = None,
+) -> None:
+    """Save model and optimizer state (sharded), ``step`` and ``extra`` atomically to ``path``.
+
+    Call on every rank. ``extra`` is any picklable object, the same on every rank (e.g. a data
+    loader position or an LR scheduler's ``state_dict()``).
+    """
+    path = Path(path)
+    partial, previous = _siblings(path)
+    reshard_idle(model, "save_checkpoint")
+    flat = flatten(_state(model, optimizer))
+    flat["meta.step"] = step
+    flat["meta.extra"] = pickle.dumps(extra)  # one opaque leaf: DCP would split a dict into keys
+    if dist.get_rank() == 0:
+        if partial.exists():
+            shutil.rmtree(partial)  # left by an interrupted save
+        partial.mkdir(parents=True)
+    dist.barrier()
+    dcp.save(flat, checkpoint_id=partial)
+    dist.barrier()  # every rank's files are written
+    if dist.get_rank() == 0:
+        _publish(path, partial, previous)
+    dist.barrier()
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """``path``, or the previous checkpoint if a save died between its two renames."""
+    path = Path(path)
+    if not path.exists():
+        _, previous = _siblings(path)
+        if previous.exists():
+            return previous
+        raise CheckpointError(f"no checkpoint at {str(path)!r}")
+    return path
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> tuple[int, Any]:
+    """Load what ``save_checkpoint`` wrote, at any world size; return ``(step, extra)``.
+
+    Call on every rank. Nothing is changed unless the whole checkpoint fits and reads cleanly.
+    """
+    where = resolve(path)
+    try:
+        metadata = FileSystemReader(where).read_metadata()
+    except Exception as error:  # noqa: BLE001 - any failure here means an unusable checkpoint
+        raise CheckpointError(f"cannot read the metadata of checkpoint {str(where)!r}: {error}") from error
+    reshard_idle(model, "load_checkpoint")
+    template = _state(model, optimizer)
+    flat = flatten(template)
+    flat["meta.step"] = 0
+    flat["meta.extra"] = b""
+    prefixes = ("model.", "optim.") if optimizer is not None else ("model.",)
+    problems = mismatches(flat, metadata, prefixes)
+    if problems:
+        raise CheckpointError(format_problems(str(where), problems))
+    staged = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+    try:
+        dcp.load(staged, checkpoint_id=where)
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
+        raise CheckpointError(f"reading checkpoint {str(where)!r} failed; nothing was loaded: {error}") from error
+    state = map_leaves(template, lambda key, _: staged[key])
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optim"])
+    return staged["meta.step"], pickle.loads(staged["meta.extra"])

@@ -1,0 +1,188 @@
+"""Full (unsharded) state dicts that never hold more than one group unsharded at a time.
+
+``torch.distributed.checkpoint.state_dict.get_model_state_dict(full_state_dict=True)`` works
+on our models too, but gathers parameter by parameter with no bound on what is live; these
+helpers walk the ``fully_shard`` groups in tree order with one collective per group, straight
+from the shards (the source of truth, whatever state the group is in), so a rank's extra
+memory is about one group on top of the result.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .params import ShardedParam
+from .state import GroupState
+from .state_dict_hooks import local_part
+from .walk import check_idle, group_states, reshard_idle
+
+
+def _padded_rows(dtensor: DTensor) -> int:
+    return math.ceil(dtensor.shape[0] / dtensor.device_mesh.size())
+
+
+def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[torch.Tensor | None]:
+    """Full CPU copies of ``params``: one gather of the group's padded shards, as bytes.
+
+    With ``to_all=False`` only the group's first rank receives (``dist.gather``); the others
+    send their shard and hold nothing more than its padded copy.
+    """
+    pieces, widths = [], []
+    for p in params:
+        dt = p.sharded_param
+        row_numel = math.prod(dt.shape[1:])
+        local = p.local_tensor().reshape(-1)
+        pad = _padded_rows(dt) * row_numel - local.numel()
+        pieces.append((torch.cat([local, local.new_zeros(pad)]) if pad else local).view(torch.uint8))
+        widths.append(pieces[-1].numel())
+    flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+    del pieces
+    pg = params[0].sharded_param.device_mesh.get_group()
+    world = dist.get_world_size(pg)
+    if to_all:
+        out = flat.new_empty(world * flat.numel())
+        dist.all_gather_into_tensor(out, flat, group=pg)
+        rows = list(out.view(world, -1).unbind(0))
+    else:
+        dst = dist.get_global_rank(pg, 0)
+        rows = [flat.new_empty(flat.numel()) for _ in range(world)] if dist.get_rank() == dst else None
+        dist.gather(flat, rows, dst=dst, group=pg)
+    del flat
+    if not keep or rows is None:
+        return [None] * len(params)
+    result, offset = [], 0
+    for p, width in zip(params, widths):
+        dt = p.sharded_param
+        row_numel = math.prod(dt.shape[1:])
+        dim0, per_rank = dt.shape[0], _padded_rows(dt)
+        parts = []
+        for r, row in enumerate(rows):
+            n_rows = max(0, min(per_rank, dim0 - r * per_rank))
+            parts.append(row[offset : offset + width].view(dt.dtype)[: n_rows * row_numel])
+        result.append(torch.cat(parts).view(dt.shape).to("cpu"))
+        offset += width
+    return result
+
+
+def _keys_by_group(
+    model: nn.Module, live: dict[str, Any]
+) -> tuple[dict[GroupState, list[tuple[str, ShardedParam]]], set[str]]:
+    """State-dict keys of each group's parameters (tied parameters appear under every key)."""
+    owners = {id(p.sharded_param): (s, p) for s in group_states(model) for p in s.group.params}
+    by_group: dict[GroupState, list[tuple[str, ShardedParam]]] = {}
+    for key, value in live.items():
+        if id(value) in owners:
+            state, p = owners[id(value)]
+            by_group.setdefault(state, []).append((key, p))
+    managed = {key for items in by_group.values() for key, _ in items}
+    return by_group, managed
+
+
+def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, Any]:
+    """The unsharded model's ``state_dict()``, on CPU, gathered one group at a time.
+
+    Call on every rank. With ``rank0_only`` the other ranks take part in the gathers and
+    return ``{}``, so only rank 0 pays the CPU memory of a whole model.
+    """
+    for state in group_states(model):
+        check_idle(state, "full_state_dict")
+    keep = not rank0_only or dist.get_rank() == 0
+    live = model.state_dict(keep_vars=True)
+    by_group, managed = _keys_by_group(model, live)
+    out: dict[str, Any] = {}
+    for items in by_group.values():
+        unique = list({id(p): p for _, p in items}.values())
+        fulls = dict(zip(map(id, unique), _gather_group(unique, keep, to_all=not rank0_only)))
+        if keep:
+            for key, p in items:
+                out[key] = fulls[id(p)]
+    for key, value in live.items():
+        if key in managed:
+            continue
+        if isinstance(value, DTensor):
+            value = value.full_tensor()  # a DTensor we do not manage: collective on every rank
+        if keep:
+            out[key] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+    return {key: out[key] for key in live if key in out} if keep else {}
+
+
+def _validation_error(live: dict[str, Any], given: dict[str, Any], strict: bool) -> str | None:
+    problems = []
+    if strict:
+        missing = [k for k in live if k not in given]
+        unexpected = [k for k in given if k not in live]
+        if missing:
+            problems.append(f"missing key(s): {', '.join(map(repr, missing))}")
+        if unexpected:
+            problems.append(f"unexpected key(s): {', '.join(map(repr, unexpected))}")
+    for key, value in given.items():
+        target = live.get(key)
+        if not isinstance(target, torch.Tensor):
+            continue
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"key {key!r}: expected a tensor, got {type(value).__name__}")
+        elif isinstance(value, DTensor):
+            problems.append(f"key {key!r}: expected a full tensor, got a DTensor (use load_state_dict)")
+        elif value.shape != target.shape:
+            problems.append(
+                f"key {key!r}: shape {tuple(value.shape)} in the state dict, {tuple(target.shape)} in the model"
+            )
+    if not problems:
+        return None
+    return "load_full_state_dict: " + "; ".join(problems)
+
+
+def _broadcast_group(items: list[tuple[str, ShardedParam]], given: dict[str, Any], rank: int) -> None:
+    """One broadcast of the group's full parameters (as bytes); each rank keeps its rows."""
+    firsts: dict[int, tuple[str, ShardedParam]] = {}
+    for key, p in items:
+        firsts.setdefault(id(p), (key, p))
+    params = list(firsts.values())
+    sizes = [p.shape.numel() * p.sharded_param.element_size() for _, p in params]
+    device = params[0][1].sharded_param.device
+    if rank == 0:
+        pieces = [
+            given[key].detach().to(device=device, dtype=p.dtype).reshape(-1).view(torch.uint8) for key, p in params
+        ]
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+    else:
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
+    dist.broadcast(flat, src=0)
+    with torch.no_grad():
+        for (_, p), chunk in zip(params, torch.split(flat, sizes)):
+            full = chunk.view(p.dtype).view(p.shape)
+            p.local_tensor().copy_(local_part(full, p.sharded_param))
+
+
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any] | None, *, strict: bool = True) -> None:
+    """Load a full (unsharded) state dict held by rank 0, broadcasting one group at a time.
+
+    Call on every rank; ranks other than 0 may pass ``None``. Rank 0 checks keys and shapes
+    first and every rank raises the same ``ValueError`` before anything is loaded.
+    """
+    reshard_idle(model, "load_full_state_dict")
+    rank = dist.get_rank()
+    given = state_dict if rank == 0 else {}
+    if rank == 0 and not isinstance(given, dict):
+        raise TypeError(f"load_full_state_dict: rank 0 needs a dict, got {type(given).__name__}")
+    live = model.state_dict(keep_vars=True)
+    verdict = [_validation_error(live, given, strict) if rank == 0 else None]
+    dist.broadcast_object_list(verdict, src=0)
+    if verdict[0] is not None:
+        raise ValueError(verdict[0])
+    by_group, managed = _keys_by_group(model, live)
+    present = [sorted({k for k, _ in items if k in given}) if rank == 0 else None for items in by_group.values()]
+    dist.broadcast_object_list(present, src=0)  # with strict=False a group may be partly absent
+    for items, keys in zip(by_group.values(), present):
+        kept = [(k, p) for k, p in items if k in keys]
+        if kept:
+            _broadcast_group(kept, given, rank)
+    rest = [{k: v for k, v in given.items() if k not in managed} if rank == 0 else None]
+    dist.broadcast_object_list(rest, src=0)  # buffers and extra state: small
+    model.load_state_dict(rest[0], strict=False)
