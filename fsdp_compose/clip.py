@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 
 def _params(target: nn.Module | torch.Tensor | Iterable[torch.Tensor]) -> list[torch.Tensor]:
@@ -52,7 +53,12 @@ def _sharded_dims(grad: DTensor, index: int) -> tuple[int, ...]:
                 f"clip_grad_norm_: the gradient of parameter {index} is a DTensor with a Partial "
                 "placement (unreduced); reduce gradients before clipping"
             )
-    return tuple(dim for dim, placement in enumerate(grad.placements) if placement.is_shard())
+    # _StridedShard (dp splitting rows TP already split) is not a Shard subclass but shards too
+    return tuple(
+        dim
+        for dim, placement in enumerate(grad.placements)
+        if placement.is_shard() or isinstance(placement, _StridedShard)
+    )
 
 
 def total_grad_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:

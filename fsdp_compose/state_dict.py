@@ -23,31 +23,30 @@ from .state_dict_hooks import local_part
 from .walk import check_idle, group_states, reshard_idle
 
 
-def _padded_rows(dtensor: DTensor) -> int:
-    return math.ceil(dtensor.shape[0] / dtensor.device_mesh.size())
-
-
 def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[torch.Tensor | None]:
     """Full CPU copies of ``params``: one gather of the group's padded shards, as bytes.
 
-    With ``to_all=False`` only the group's first rank receives (``dist.gather``); the others
-    send their shard and hold nothing more than its padded copy.
+    Uses each parameter's own shard layout (the shard dim of its mesh, padded rows), so HSDP
+    and tensor-parallel shards gather like 1-D ones; a TP parameter's gathered TP-local tensor
+    is completed across the TP mesh. With ``to_all=False`` only the shard group's first rank
+    receives (``dist.gather``); the others send their shard and hold nothing more.
     """
+    if any(p.tp_spec is not None for p in params):
+        to_all = True  # completing TP tensors needs every TP rank to hold its gathered part
     pieces, widths = [], []
     for p in params:
-        dt = p.sharded_param
-        row_numel = math.prod(dt.shape[1:])
         local = p.local_tensor().reshape(-1)
-        pad = _padded_rows(dt) * row_numel - local.numel()
+        pad = p.padded_numel - p.local_numel
         pieces.append((torch.cat([local, local.new_zeros(pad)]) if pad else local).view(torch.uint8))
         widths.append(pieces[-1].numel())
     flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
     del pieces
-    pg = params[0].sharded_param.device_mesh.get_group()
-    world = dist.get_world_size(pg)
+    first = params[0]
+    pg = first.mesh.get_group(first.mesh.ndim - 1)
+    world = first.world_size
     if to_all:
         out = flat.new_empty(world * flat.numel())
-        dist.all_gather_into_tensor(out, flat, group=pg)
+        dist.all_gather_single(out, flat, group=pg)
         rows = list(out.view(world, -1).unbind(0))
     else:
         dst = dist.get_global_rank(pg, 0)
@@ -58,14 +57,11 @@ def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[
         return [None] * len(params)
     result, offset = [], 0
     for p, width in zip(params, widths):
-        dt = p.sharded_param
-        row_numel = math.prod(dt.shape[1:])
-        dim0, per_rank = dt.shape[0], _padded_rows(dt)
-        parts = []
-        for r, row in enumerate(rows):
-            n_rows = max(0, min(per_rank, dim0 - r * per_rank))
-            parts.append(row[offset : offset + width].view(dt.dtype)[: n_rows * row_numel])
-        result.append(torch.cat(parts).view(dt.shape).to("cpu"))
+        padded = torch.cat([row[offset : offset + width] for row in rows]).view(p.dtype)
+        unsharded = padded[: math.prod(p.unsharded_shape)].view(p.unsharded_shape)
+        if p.tp_spec is not None:
+            unsharded = DTensor(unsharded, p.tp_spec, requires_grad=False).full_tensor()
+        result.append(unsharded.to("cpu"))
         offset += width
     return result
 
