@@ -79,7 +79,7 @@ def spmd_layout(dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str) -> tupl
         return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(0)]
     tp_mesh, (tp_placement,) = tp_param.device_mesh, tp_param.placements
     root = dp_mesh._get_root_mesh()
-    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() is not root or root.ndim != 2:
+    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root.ndim != 2:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on mesh {tp_mesh}; fully_shard can shard it further only when "
             "it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. "
