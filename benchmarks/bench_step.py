@@ -132,7 +132,7 @@ def report(per_rank, world_size: int, args) -> None:
               f"reduce-scatter {moved['scatter'] / mib:.2f} MiB in {moved['scatter_calls']} calls, "
               f"total {total / mib:.2f} MiB = {total / theory:.4f} x 3(N-1)/N*P = {total / minimum:.5f} x minimum")
     print(f"    minimum for this configuration {minimum / mib:.2f} MiB: the root is not resharded after forward "
-          "in either library, so its backward all-gather is skipped; the excess is padding and our 24-byte tags")
+          "in either library, so its backward all-gather is skipped; the excess is padding and our 16-byte tags")
     ours_losses, torch_losses = per_rank[0]["ours"]["losses"], per_rank[0]["torch"]["losses"]
     print(f"    same losses as torch FSDP2: max |diff| over {len(ours_losses)} steps "
           f"{max(abs(a - b) for a, b in zip(ours_losses, torch_losses)):.2e}")
