@@ -68,6 +68,21 @@ def mean_across_ranks(value: torch.Tensor) -> float:
     return value.item() / dist.get_world_size()
 
 
+def full_value(param: torch.Tensor) -> torch.Tensor:
+    """The whole parameter; float8 travels as bytes (gloo cannot all-gather float8 itself)."""
+    if not hasattr(param, "full_tensor"):
+        return param
+    if param.dtype.itemsize == 1 and param.dtype.is_floating_point:
+        from torch.distributed.tensor import DTensor
+
+        as_bytes = DTensor.from_local(
+            param.to_local().view(torch.uint8), param.device_mesh, param.placements,
+            shape=param.shape, stride=param.stride(),
+        )
+        return as_bytes.full_tensor().view(param.dtype)
+    return param.full_tensor()
+
+
 def max_param_diff(model: nn.Module, reference: nn.Module) -> float:
     """Largest |sharded - reference| over parameters; names must match exactly."""
     ours = dict(model.named_parameters())
@@ -75,8 +90,8 @@ def max_param_diff(model: nn.Module, reference: nn.Module) -> float:
     assert list(ours) == list(theirs), (list(ours), list(theirs))
     worst = 0.0
     for name, param in ours.items():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        worst = max(worst, (full.detach() - theirs[name].detach()).abs().max().item())
+        full = full_value(param.detach()).float()
+        worst = max(worst, (full - theirs[name].detach().float()).abs().max().item())
     return worst
 
 

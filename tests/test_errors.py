@@ -101,3 +101,16 @@ def test_reshard_after_forward_must_divide_the_group():
         message(lambda: fully_shard(Block(), reshard_after_forward=2)),
         """ValueError: fully_shard(Block, reshard_after_forward=2): pass True, False or a number of ranks that divides the shard group size 1 (e.g. the ranks of one node)""",
     )
+
+
+def test_tensor_parallel_parameter_on_an_unrelated_mesh():
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    data_parallel = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    other = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "tp2"))
+    layer = nn.Linear(4, 4)
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), other["tp2"], [Shard(0)]))
+    assert_expected_inline(
+        message(lambda: fully_shard(layer, mesh=data_parallel["dp"])),
+        """ValueError: parameter 'weight' is a DTensor on mesh DeviceMesh((tp2=1), 'cpu', stride=((),)); fully_shard can shard it further only when it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])""",
+    )

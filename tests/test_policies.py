@@ -200,3 +200,53 @@ def test_offload_with_mesh_on_another_device_type(_group):
         str(info.value),
         """fully_shard(Linear, offload_policy=CPUOffloadPolicy()): the mesh is on 'cuda' but this process computes on 'cpu'; offloading moves shards between CPU and the mesh's device, so build the mesh on the compute device""",
     )
+
+
+class Float8Block(nn.Module):
+    """A frozen float8 weight (as quantized inference weights are) next to bf16 and fp32 ones."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.w8 = nn.Parameter(torch.randn(HIDDEN, DIM).to(torch.float8_e4m3fn), requires_grad=False)
+        self.up = nn.Linear(DIM, HIDDEN).to(torch.bfloat16)
+        self.out = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        h = self.norm(x).to(torch.bfloat16)
+        h = F.linear(h, self.w8.to(torch.bfloat16)) + self.up(h)
+        return x + self.out(F.gelu(h).float())
+
+
+class Float8LM(TinyLM):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Float8Block() for _ in range(2))
+
+
+def _float8_group():
+    from tests.test_collectives import count_collectives
+
+    result = train_against_reference(Float8LM, shard_blocks_then_root, lr=1e-3)
+    torch.manual_seed(0)
+    reference = Float8LM()
+    model = copy.deepcopy(reference)
+    shard_blocks_then_root(model)
+    seen = {}
+    model.blocks[1].up.register_forward_hook(lambda m, a, o: seen.update(w8=model.blocks[1].w8.detach().clone()))
+    with count_collectives() as counts:
+        lm_loss(model, torch.randint(0, 37, (2, 6))).backward()
+    result["counts"] = dict(counts)
+    result["w8_exact"] = torch.equal(seen["w8"].view(torch.uint8), reference.blocks[1].w8.view(torch.uint8))
+    result["w8_grad"] = model.blocks[1].w8.grad is None
+    return result
+
+
+def test_float8_bf16_fp32_in_one_group():
+    results = run_on_ranks(3, _float8_group)
+    assert_parity(results, tol=1e-2)  # bf16 parameters: per-rank vs global-batch rounding
+    for r in results:
+        assert r["w8_exact"] and r["w8_grad"]
+        # 3 groups gathered in forward + 2 blocks again in backward, one all-gather each; reductions:
+        # root fp32, and per block one for bf16 (up) and one for fp32 (norm, out)
+        assert r["counts"] == {"all_gather_single": 5, "reduce_scatter_single": 5}, r["counts"]

@@ -10,7 +10,7 @@ from fsdp_compose.group import ParamGroup
 from fsdp_compose.order_check import ExecutionOrderError
 from fsdp_compose.state import state_of
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, lm_loss, shard_blocks_then_root
+from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
 
 
 def _trace_second_step():
@@ -165,4 +165,70 @@ def test_local_order_change_warns_once():
     assert_expected_inline(
         "\n".join(messages),
         """fsdp_compose: the forward order of sharded modules differs from the first iteration at position 1 ('blocks.2' (Block) instead of 'blocks.0' (Block)); forward prefetch follows the first order, so overlap may suffer""",
+    )
+
+
+def _explicit_prefetch():
+    """Two blocks ahead in forward, two behind in backward, set by hand (torch FSDP2's API)."""
+    def shard(model):
+        shard_blocks_then_root(model)
+        blocks = list(model.blocks)
+        for i, block in enumerate(blocks):
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 3])
+            block.set_modules_to_backward_prefetch(blocks[max(0, i - 2) : i][::-1])
+
+    result = train_against_reference(lambda: TinyLM(n_blocks=4), shard)
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=4)
+    shard(model)
+    events = []
+    start, wait = ParamGroup.start_unshard, ParamGroup.wait_unshard
+
+    def traced_start(group):
+        if not group.is_unsharded and group.pending_unshard is None:
+            events.append(f"gather {group.label}")
+        start(group)
+
+    def traced_wait(group):
+        if group.pending_unshard is not None:
+            events.append(f"  wait {group.label}")
+        wait(group)
+
+    ParamGroup.start_unshard, ParamGroup.wait_unshard = traced_start, traced_wait
+    try:
+        loss = lm_loss(model, torch.randint(0, 37, (2, 6)))
+        events.append("-- backward")
+        loss.backward()
+    finally:
+        ParamGroup.start_unshard, ParamGroup.wait_unshard = start, wait
+    result["events"] = events
+    return result
+
+
+def test_explicit_prefetch():
+    results = run_on_ranks(2, _explicit_prefetch)
+    assert_parity(results)
+    # the first step has no recorded order: only the explicit lists prefetch
+    assert_expected_inline(
+        "\n".join(results[0]["events"]),
+        """\
+gather '<root>' (TinyLM)
+  wait '<root>' (TinyLM)
+gather 'blocks.0' (Block)
+gather 'blocks.1' (Block)
+gather 'blocks.2' (Block)
+  wait 'blocks.0' (Block)
+gather 'blocks.3' (Block)
+  wait 'blocks.1' (Block)
+  wait 'blocks.2' (Block)
+  wait 'blocks.3' (Block)
+-- backward
+gather 'blocks.3' (Block)
+gather 'blocks.2' (Block)
+gather 'blocks.1' (Block)
+  wait 'blocks.3' (Block)
+gather 'blocks.0' (Block)
+  wait 'blocks.2' (Block)
+  wait 'blocks.1' (Block)
+  wait 'blocks.0' (Block)""",
     )
