@@ -2,7 +2,7 @@
 
 ``fully_shard(module)`` shards a module's parameters on dim 0 across ranks (as DTensors),
 all-gathers them just before use and reduce-scatters their gradients. Code written for
-``torch.distributed.fsdp.fully_shard`` runs after changing the import.
+torch's FSDP2 ``fully_shard`` runs after changing the import.
 """
 
 from .api import fully_shard

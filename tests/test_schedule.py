@@ -1,6 +1,7 @@
 """Execution order, prefetch, the in-flight limit, and the cross-rank order check."""
 
 import warnings
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -13,17 +14,9 @@ from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
 
 
-def _trace_second_step():
-    """What is issued and waited, in order, once the first step recorded the order."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    shard_blocks_then_root(model)
-    ids = torch.randint(0, 37, (2, 6))
-    lm_loss(model, ids).backward()
-    root = state_of(model).root
-    recorded = {
-        "forward": [s.group.label for s in root.reference_forward_order],
-    }
+@contextmanager
+def trace_unshards():
+    """Record, in order, each all-gather actually issued and each one actually waited for."""
     events = []
     start, wait = ParamGroup.start_unshard, ParamGroup.wait_unshard
 
@@ -39,12 +32,27 @@ def _trace_second_step():
 
     ParamGroup.start_unshard, ParamGroup.wait_unshard = traced_start, traced_wait
     try:
+        yield events
+    finally:
+        ParamGroup.start_unshard, ParamGroup.wait_unshard = start, wait
+
+
+def _trace_second_step():
+    """What is issued and waited, in order, once the first step recorded the order."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    ids = torch.randint(0, 37, (2, 6))
+    lm_loss(model, ids).backward()
+    root = state_of(model).root
+    recorded = {
+        "forward": [s.group.label for s in root.reference_forward_order],
+    }
+    with trace_unshards() as events:
         loss = lm_loss(model, ids)
         events.append("-- backward")
         recorded["post_forward"] = [s.group.label for s in root.post_forward_order]
         loss.backward()
-    finally:
-        ParamGroup.start_unshard, ParamGroup.wait_unshard = start, wait
     return recorded, events
 
 
@@ -181,26 +189,10 @@ def _explicit_prefetch():
     torch.manual_seed(0)
     model = TinyLM(n_blocks=4)
     shard(model)
-    events = []
-    start, wait = ParamGroup.start_unshard, ParamGroup.wait_unshard
-
-    def traced_start(group):
-        if not group.is_unsharded and group.pending_unshard is None:
-            events.append(f"gather {group.label}")
-        start(group)
-
-    def traced_wait(group):
-        if group.pending_unshard is not None:
-            events.append(f"  wait {group.label}")
-        wait(group)
-
-    ParamGroup.start_unshard, ParamGroup.wait_unshard = traced_start, traced_wait
-    try:
+    with trace_unshards() as events:
         loss = lm_loss(model, torch.randint(0, 37, (2, 6)))
         events.append("-- backward")
         loss.backward()
-    finally:
-        ParamGroup.start_unshard, ParamGroup.wait_unshard = start, wait
     result["events"] = events
     return result
 
