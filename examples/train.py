@@ -4,8 +4,8 @@
     torchrun --nproc-per-node 4 examples/train.py  # or any launcher that sets RANK/WORLD_SIZE
     python examples/train.py --checkpoint-dir ckpt # save every --save-every steps; resume if present
 
-The only fsdp_compose-specific lines are the ``fully_shard`` calls; code written for
-``torch.distributed.fsdp.fully_shard`` runs with the import changed.
+Sharding is the ``fully_shard`` calls; code written for ``torch.distributed.fsdp.fully_shard``
+runs with the import changed. ``--checkpoint-dir`` adds fsdp_compose's atomic checkpoints.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
-from fsdp_compose import fully_shard, load_checkpoint, save_checkpoint  # noqa: E402
+from fsdp_compose import checkpoint_exists, fully_shard, load_checkpoint, save_checkpoint  # noqa: E402
 
 
 def train(args: argparse.Namespace) -> None:
@@ -34,7 +34,7 @@ def train(args: argparse.Namespace) -> None:
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = 0
-    if args.checkpoint_dir and os.path.exists(args.checkpoint_dir):
+    if args.checkpoint_dir and checkpoint_exists(args.checkpoint_dir):  # the previous one counts too
         start, _ = load_checkpoint(args.checkpoint_dir, model, optimizer)  # any world size
         if rank == 0:
             print(f"resumed from {args.checkpoint_dir} at step {start}", flush=True)

@@ -6,6 +6,7 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 """
 
 from .api import fully_shard
+from .checkpoint import exists as checkpoint_exists
 from .checkpoint import load_checkpoint, save_checkpoint
 from .checkpoint_check import CheckpointError
 from .clip import clip_grad_norm_
@@ -39,5 +40,6 @@ __all__ = [
     "clip_grad_norm_",
     "save_checkpoint",
     "load_checkpoint",
+    "checkpoint_exists",
     "CheckpointError",
 ]

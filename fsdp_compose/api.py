@@ -134,7 +134,8 @@ def fully_shard(
             (shard within the last dim, all-reduce gradients across the first); default: all
             ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward and all-gather
-            again in backward (saves memory). ``None``: True, except for the root. An int N
+            again in backward (saves memory). ``None``: True. The root group is never resharded
+            after a forward with grad enabled (backward needs it at once). An int N
             (dividing the shard group size) keeps an N-way slice after forward, so backward
             re-gathers within N consecutive ranks (one node) instead of the whole group.
         mp_policy: dtypes for the all-gather (``param_dtype``), the gradient reduction
@@ -142,7 +143,8 @@ def fully_shard(
             the parameters' own dtypes.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU (the
             optimizer steps there) and moves them to the compute device for the all-gather.
-        shard_placement_fn: accepted for compatibility; only dim-0 sharding is supported.
+        shard_placement_fn: accepted by name for compatibility; only ``None`` (dim-0 sharding)
+            is supported, anything else raises ``NotImplementedError``.
         ignored_params: parameters left unsharded, without hooks.
 
     Returns:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,28 @@ def _publish(path: Path, partial: Path, previous: Path) -> None:
         shutil.rmtree(previous)
 
 
+def _on_rank0_then_all(work: Callable[[], None], what: str) -> None:
+    """Run file work on rank 0; if it fails, every rank raises (none is left at a barrier)."""
+    failure = [None]
+    if dist.get_rank() == 0:
+        try:
+            work()
+        except Exception as error:  # noqa: BLE001 - reported to every rank below
+            failure = [f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        raise CheckpointError(f"save_checkpoint failed while {what} on rank 0: {failure[0]}")
+
+
+def exists(path: str | os.PathLike) -> bool:
+    """Whether ``load_checkpoint(path, ...)`` finds a checkpoint (the previous one included)."""
+    try:
+        resolve(path)
+    except CheckpointError:
+        return False
+    return True
+
+
 def save_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -84,16 +107,16 @@ def save_checkpoint(
     flat = flatten(_state(model, optimizer))
     flat["meta.step"] = step
     flat["meta.extra"] = pickle.dumps(extra)  # one opaque leaf: DCP would split a dict into keys
-    if dist.get_rank() == 0:
+
+    def prepare() -> None:
         if partial.exists():
             shutil.rmtree(partial)  # left by an interrupted save
         partial.mkdir(parents=True)
-    dist.barrier()
+
+    _on_rank0_then_all(prepare, "preparing")
     dcp.save(flat, checkpoint_id=partial)
     dist.barrier()  # every rank's files are written
-    if dist.get_rank() == 0:
-        _publish(path, partial, previous)
-    dist.barrier()
+    _on_rank0_then_all(lambda: _publish(path, partial, previous), "publishing")
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -114,7 +137,9 @@ def load_checkpoint(
 ) -> tuple[int, Any]:
     """Load what ``save_checkpoint`` wrote, at any world size; return ``(step, extra)``.
 
-    Call on every rank. Nothing is changed unless the whole checkpoint fits and reads cleanly.
+    Call on every rank. The model and the optimizer's state values are changed only if the
+    whole checkpoint fits and reads cleanly; a fresh optimizer may have had its state
+    initialized (torch's ``get_optimizer_state_dict`` does so) before a refused load.
     """
     where = resolve(path)
     try:

@@ -93,7 +93,7 @@ def reduce_scatter_rows(
     rows: list[torch.Tensor], group, stats: CommStats, pre_divide: int = 1
 ) -> tuple[object, torch.Tensor]:
     """Start one reduce-scatter (sum) of column blocks; rank r receives row r."""
-    table = torch.cat(rows, dim=1) if len(rows) > 1 else rows[0].clone()
+    table = torch.cat(rows, dim=1)
     if pre_divide != 1:
         table.div_(pre_divide)
     output = table.new_empty(table.shape[1])

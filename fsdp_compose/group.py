@@ -162,9 +162,6 @@ class ParamGroup:
         self.post_forward = PostForwardShard(self, ranks, process_group)
 
     # ----- gradients --------------------------------------------------------------------
-    def has_unsharded_grads(self) -> bool:
-        return any(p.unsharded_grad() is not None for p in self.trainable)
-
     def start_reduce(self, all_reduce: bool = True) -> None:
         """Reduce-scatter every trainable parameter's unsharded gradient, one collective per dtype.
 

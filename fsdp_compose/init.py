@@ -61,11 +61,14 @@ def init_sharded_parameters(model: nn.Module, init_fn: Callable[[nn.Module], Non
             swapped.append((name, sp, full))
         try:
             init_fn(module)
-        finally:
-            for name, sp, full in swapped:
-                start, end = sp.row_range
-                sp.local_tensor().copy_(full.detach()[start:end])
-                module._parameters[name] = sp.sharded_param
+        except BaseException:
+            for name, sp, _ in swapped:
+                module._parameters[name] = sp.sharded_param  # shards untouched by a failed init
+            raise
+        for name, sp, full in swapped:
+            start, end = sp.row_range
+            sp.local_tensor().copy_(full.detach()[start:end])
+            module._parameters[name] = sp.sharded_param
 
 
 @torch.no_grad()

@@ -8,6 +8,7 @@ saved references to it see fresh data after a re-unshard in backward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -185,7 +186,7 @@ class ShardedParam:
         device = self.local_tensor().device
         if self.layout.compute_device.type == "meta" or self.layout.storage_device.type == "meta":
             compute = device if self.layout.compute_device.type == "meta" else self.layout.compute_device
-            self.layout = ParamLayout(compute, device, self.layout.gather_dtype, self.layout.reduce_dtype)
+            self.layout = dataclasses.replace(self.layout, compute_device=compute, storage_device=device)
         if self._padding.device != self.layout.compute_device:
             self._padding = self._zeros(self._padding.numel(), self.layout.compute_device)
             self._pieces_source = None

@@ -28,7 +28,6 @@ class GroupState:
     modules: list[nn.Module] = field(default_factory=list)  # every module of the call
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: RootState | None = None
-    fqn: str = ""
     # explicit prefetch targets (None: follow the recorded order)
     forward_prefetch: list[GroupState] | None = None
     backward_prefetch: list[GroupState] | None = None

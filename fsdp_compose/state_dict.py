@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .collectives import CommStats, GatherLayout, all_gather_flat
 from .params import ShardedParam
 from .state import GroupState
 from .state_dict_hooks import local_part
@@ -31,29 +32,30 @@ def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[
     is completed across the TP mesh. With ``to_all=False`` only the shard group's first rank
     receives (``dist.gather``); the others send their shard and hold nothing more.
     """
-    if any(p.tp_spec is not None for p in params):
-        to_all = True  # completing TP tensors needs every TP rank to hold its gathered part
+    has_tp = any(p.tp_spec is not None for p in params)
+    if has_tp:  # completing TP tensors is a collective over the TP mesh: every rank takes part
+        to_all = True
     pieces, widths = [], []
     for p in params:
         local = p.local_tensor().reshape(-1)
         pad = p.padded_numel - p.local_numel
         pieces.append((torch.cat([local, local.new_zeros(pad)]) if pad else local).view(torch.uint8))
         widths.append(pieces[-1].numel())
-    flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
-    del pieces
     first = params[0]
     pg = first.mesh.get_group(first.mesh.ndim - 1)
     world = first.world_size
     if to_all:
-        out = flat.new_empty(world * flat.numel())
-        dist.all_gather_single(out, flat, group=pg)
-        rows = list(out.view(world, -1).unbind(0))
+        work, out = all_gather_flat(pieces, GatherLayout(widths, world), pg, CommStats())
+        work.wait()
+        rows = list(out.unbind(0))
     else:
+        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
         dst = dist.get_global_rank(pg, 0)
         rows = [flat.new_empty(flat.numel()) for _ in range(world)] if dist.get_rank() == dst else None
         dist.gather(flat, rows, dst=dst, group=pg)
-    del flat
-    if not keep or rows is None:
+        del flat
+    del pieces
+    if rows is None or not (keep or has_tp):
         return [None] * len(params)
     result, offset = [], 0
     for p, width in zip(params, widths):
@@ -61,7 +63,7 @@ def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[
         unsharded = padded[: math.prod(p.unsharded_shape)].view(p.unsharded_shape)
         if p.tp_spec is not None:
             unsharded = DTensor(unsharded, p.tp_spec, requires_grad=False).full_tensor()
-        result.append(unsharded.to("cpu"))
+        result.append(unsharded.to("cpu") if keep else None)
         offset += width
     return result
 
@@ -165,10 +167,13 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any] | None, *,
     reshard_idle(model, "load_full_state_dict")
     rank = dist.get_rank()
     given = state_dict if rank == 0 else {}
-    if rank == 0 and not isinstance(given, dict):
-        raise TypeError(f"load_full_state_dict: rank 0 needs a dict, got {type(given).__name__}")
     live = model.state_dict(keep_vars=True)
-    verdict = [_validation_error(live, given, strict) if rank == 0 else None]
+    verdict = [None]
+    if rank == 0:  # every check on rank 0 travels in the verdict, so every rank raises together
+        if not isinstance(given, dict):
+            verdict = [f"load_full_state_dict: rank 0 needs a dict, got {type(given).__name__}"]
+        else:
+            verdict = [_validation_error(live, given, strict)]
     dist.broadcast_object_list(verdict, src=0)
     if verdict[0] is not None:
         raise ValueError(verdict[0])

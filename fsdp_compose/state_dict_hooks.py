@@ -68,8 +68,7 @@ def _on_state_dict(keys: list, module: nn.Module, state_dict: dict, prefix: str,
 
 def _on_load_state_dict(state: GroupState, keys: list, module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
     check_idle(state, "load_state_dict")
-    if state.group.is_unsharded or state.group.pending_unshard is not None:
-        state.group.reshard()  # load into the shards; the next forward gathers the new values
+    state.group.reshard()  # load into the shards (not a gathered copy or post-forward slice)
     for p, names in keys:
         target = p.sharded_param
         for name in names:

@@ -29,5 +29,4 @@ def reshard_idle(module: nn.Module, action: str) -> None:
     """
     for state in group_states(module):
         check_idle(state, action)
-        if state.group.is_unsharded or state.group.pending_unshard is not None:
-            state.group.reshard()
+        state.group.reshard()  # also finishes a pending gather and drops a post-forward slice

@@ -112,9 +112,12 @@ class SizeBasedPolicy(WrapPolicy):
             """Visit ``module``'s subtree; return the elements selected modules there claim."""
             visited.add(module)
             total = sum(p.numel() for p in module.parameters() if p not in ignored_params)
-            if total < self.min_num_params or isinstance(module, self.force_leaf_module_classes):
+            if total < self.min_num_params:
                 return 0
-            claimed = sum(claimed_by_selection(c) for c in module.children() if c not in visited)
+            if isinstance(module, self.force_leaf_module_classes):
+                claimed = 0  # not searched below, but may itself be a group
+            else:
+                claimed = sum(claimed_by_selection(c) for c in module.children() if c not in visited)
             if total - claimed >= self.min_num_params and not isinstance(module, self.exclude_module_classes):
                 selected[module] = {}
                 return total
@@ -187,7 +190,8 @@ def apply_fully_shard(model: nn.Module, policy: WrapPolicy | None = None, **full
 
     ``fully_shard_kwargs`` go to every call; a policy's per-module overrides replace them for
     that module. ``model`` is always sharded (last), so every parameter ends up in a group.
-    Modules already sharded by an earlier ``fully_shard`` are left as they are.
+    Selected submodules already sharded by an earlier ``fully_shard`` are left as they are;
+    ``model`` itself must not be sharded yet.
     """
     ignored = set(fully_shard_kwargs.get("ignored_params") or ())
     selection = policy.select(model, ignored) if policy is not None else {}

@@ -181,3 +181,36 @@ def _refusals(root: str) -> bool:
 
 def test_mismatched_or_corrupt_checkpoint_is_refused_by_key(tmp_path):
     assert all(run_on_ranks(2, _refusals, str(tmp_path)))
+
+
+def _rank0_file_failure(blocker: str) -> str:
+    """The checkpoint's parent is a file, so rank 0 cannot create the temporary directory."""
+    model, opt = _setup()
+    try:
+        save_checkpoint(os.path.join(blocker, "ckpt"), model, opt, step=1)
+    except CheckpointError as error:
+        return str(error).split(":")[0]
+    return "saved"
+
+
+def test_rank0_file_failure_raises_on_every_rank(tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    assert run_on_ranks(2, _rank0_file_failure, str(blocker), timeout=60) == [
+        "save_checkpoint failed while preparing on rank 0"
+    ] * 2
+
+
+def _bad_full_state_dict() -> str:
+    from fsdp_compose import load_full_state_dict
+
+    model, _ = _setup()
+    try:
+        load_full_state_dict(model, ["not", "a", "dict"] if dist.get_rank() == 0 else None)
+    except ValueError as error:
+        return str(error)
+    return "loaded"
+
+
+def test_load_full_state_dict_bad_input_raises_on_every_rank():
+    assert run_on_ranks(2, _bad_full_state_dict, timeout=60) == ["load_full_state_dict: rank 0 needs a dict, got list"] * 2

@@ -58,6 +58,10 @@ def _layout(kind):
     out["sharded_values"] = max((sharded[k] - expected[k]).abs().max().item() for k in expected)
     full = full_state_dict(model, rank0_only=False)
     out["full_values"] = max((full[k] - expected[k]).abs().max().item() for k in expected)
+    on_rank0 = full_state_dict(model)  # the default, rank0_only=True: TP must not hang the others
+    out["rank0_only"] = (
+        max((on_rank0[k] - expected[k]).abs().max().item() for k in expected) == 0.0 if rank == 0 else not on_rank0
+    )
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().zero_()
@@ -70,5 +74,5 @@ def _layout(kind):
 def test_clip_and_state_dicts_on_layout(kind):
     for r in run_on_ranks(4 if kind in ("hsdp", "tp") else 2, _layout, kind):
         assert r["norm_2.0"] <= 1e-6 and r["norm_inf"] <= 1e-6, r
-        assert r["sharded_keys_equal"], r
+        assert r["sharded_keys_equal"] and r["rank0_only"], r
         assert r["sharded_values"] == 0.0 and r["full_values"] == 0.0 and r["reloaded"] == 0.0, r

@@ -34,7 +34,6 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
     for name, s in found:
         s.group.follow_local_devices()
         s.root = root
-        s.fqn = name
         s.group.label = f"'{name or '<root>'}' ({class_name(s.module)})"
         for p in s.group.params:
             p.fqn = param_names.get(id(p.sharded_param), p.fqn)

@@ -42,3 +42,21 @@ def test_reshard_to_two_of_four_ranks():
         assert 0.5 <= r["kept_after_forward"] < 0.52  # half of the full group, plus a 16-byte tag
         assert r["backward_gather_group_sizes"] == [2, 2, 2]  # the 3 blocks, within pairs of ranks
         assert r["after_backward"] == 0
+
+
+def _load_between_forward_and_backward():
+    """A load after a forward (post-forward slices kept) must be what the next forward uses."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model, reshard_after_forward=2)
+    ids = torch.randint(0, 37, (2, 6))
+    lm_loss(model, ids)  # forward with grad, no backward: each block keeps its N-way slice
+    torch.manual_seed(1)
+    fresh = TinyLM()
+    model.load_state_dict(fresh.state_dict())
+    with torch.no_grad():
+        return (model(ids) - fresh(ids)).abs().max().item()
+
+
+def test_load_after_forward_replaces_the_post_forward_slice():
+    assert run_on_ranks(4, _load_between_forward_and_backward) == [0.0] * 4
