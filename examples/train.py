@@ -53,14 +53,28 @@ def train(args: argparse.Namespace) -> None:
             save_checkpoint(args.checkpoint_dir, model, optimizer, step=done)
 
 
-def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+def train_and_exit(args: argparse.Namespace) -> None:
+    """Train, tear the process group down, and leave without interpreter teardown on success.
+
+    With torch 2.13 a process that trained DTensor parameters sometimes aborts during Python's
+    final teardown ("terminate called without an active exception"), after everything has
+    finished; torch's own FSDP2 does the same in this script. Skipping that teardown once the
+    work is done keeps the exit status honest. Failures still raise normally.
+    """
     try:
         train(args)
     finally:
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_rank(rank: int, world_size: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    train_and_exit(args)
 
 
 def free_port() -> int:
@@ -82,10 +96,7 @@ def main() -> None:
     args = parser.parse_args()
     if "RANK" in os.environ:  # torchrun or another launcher
         dist.init_process_group("gloo")
-        try:
-            train(args)
-        finally:
-            dist.destroy_process_group()
+        train_and_exit(args)
     else:
         mp.start_processes(run_rank, args=(args.nprocs, free_port(), args), nprocs=args.nprocs, start_method="spawn")
 
