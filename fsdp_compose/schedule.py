@@ -20,8 +20,8 @@ def record_pre_forward(root: RootState, state: GroupState) -> None:
 
 
 def record_post_forward(root: RootState, state: GroupState) -> None:
-    if state not in root.post_forward_seen:
-        root.post_forward_seen.add(state)
+    if state not in root.post_forward_index:
+        root.post_forward_index[state] = len(root.post_forward_order)
         root.post_forward_order.append(state)
 
 
@@ -38,12 +38,10 @@ def forward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupSt
 def backward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupState]:
     if state.backward_prefetch is not None:
         return state.backward_prefetch
-    order = root.post_forward_order
-    try:
-        index = order.index(state)
-    except ValueError:
+    index = root.post_forward_index.get(state)
+    if index is None:
         return []
-    return order[max(0, index - root.prefetch_limit) : index][::-1]
+    return root.post_forward_order[max(0, index - root.prefetch_limit) : index][::-1]
 
 
 def end_cycle(root: RootState) -> None:
@@ -69,7 +67,7 @@ def end_cycle(root: RootState) -> None:
     root.forward_order = []
     root.forward_seen = set()
     root.post_forward_order = []
-    root.post_forward_seen = set()
+    root.post_forward_index = {}
 
 
 def _name(order: list[GroupState], index: int) -> str:

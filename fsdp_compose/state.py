@@ -65,7 +65,7 @@ class RootState:
     forward_order: list[GroupState] = field(default_factory=list)
     forward_seen: set[GroupState] = field(default_factory=set)
     post_forward_order: list[GroupState] = field(default_factory=list)
-    post_forward_seen: set[GroupState] = field(default_factory=set)
+    post_forward_index: dict[GroupState, int] = field(default_factory=dict)  # position in post_forward_order
     reference_forward_order: list[GroupState] | None = None
     reference_index: dict[GroupState, int] = field(default_factory=dict)
     warned_order_change: bool = False
