@@ -66,7 +66,11 @@ def _bf16_training():
     stats = state_of(model.blocks[0]).group.stats
     fp32_bytes = sum(sp.padded_numel * 4 * world_size for sp in state_of(model.blocks[0]).group.params)
     seen["gather_bytes_vs_fp32"] = (stats.all_gather_bytes / stats.all_gathers - 16 * world_size) / fp32_bytes
-    seen["reduce_bytes_dtype"] = "fp32"
+    # each reduce-scatter table: (world, padded elements + one flag per trainable param)
+    group = state_of(model.blocks[0]).group
+    elements = world_size * (sum(sp.padded_numel for sp in group.trainable) + len(group.trainable))
+    itemsize = stats.reduce_scatter_bytes / stats.reduce_scatters / elements
+    seen["reduce_bytes_dtype"] = {4: "fp32", 2: "bf16"}.get(itemsize, f"{itemsize} bytes/element")
     return losses, ref_losses, {k: str(v) for k, v in seen.items()}
 
 
