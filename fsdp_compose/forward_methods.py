@@ -15,7 +15,7 @@ from torch import nn
 
 from .hooks.forward import post_forward, pre_forward
 from .module import FSDPModule
-from .state import state_of
+from .state import class_name, state_of
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
@@ -29,7 +29,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(type(module), method_name, None)
     if not callable(method):
         raise ValueError(
-            f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}"
+            f"register_fsdp_forward_method: {class_name(module)} has no method {method_name!r}"
         )
     state = state_of(module)
 
