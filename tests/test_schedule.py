@@ -14,6 +14,20 @@ from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
 
 
+def sharded_lm(n_blocks: int = 3) -> TinyLM:
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=n_blocks)
+    shard_blocks_then_root(model)
+    return model
+
+
+def first_step(model: TinyLM) -> torch.Tensor:
+    """One forward/backward, which records the reference order; returns the batch."""
+    ids = torch.randint(0, 37, (2, 6))
+    lm_loss(model, ids).backward()
+    return ids
+
+
 @contextmanager
 def trace_unshards():
     """Record, in order, each all-gather actually issued and each one actually waited for."""
@@ -39,11 +53,8 @@ def trace_unshards():
 
 def _trace_second_step():
     """What is issued and waited, in order, once the first step recorded the order."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    shard_blocks_then_root(model)
-    ids = torch.randint(0, 37, (2, 6))
-    lm_loss(model, ids).backward()
+    model = sharded_lm()
+    ids = first_step(model)
     root = state_of(model).root
     recorded = {
         "forward": [s.group.label for s in root.reference_forward_order],
@@ -95,9 +106,7 @@ gather 'blocks.0' (Block)
 
 def _in_flight_peak(n_blocks):
     """Sample, during forward and backward compute, how many blocks hold gathered data."""
-    torch.manual_seed(0)
-    model = TinyLM(n_blocks=n_blocks)
-    shard_blocks_then_root(model)
+    model = sharded_lm(n_blocks)
     blocks = [state_of(b).group for b in model.blocks]
     samples = []
 
@@ -125,9 +134,7 @@ def test_in_flight_limit_bounds_unsharded_groups():
 
 def _diverging_order():
     """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train."""
-    torch.manual_seed(0)
-    model = TinyLM()
-    shard_blocks_then_root(model)
+    model = sharded_lm()
     if dist.get_rank() == 1:
         model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])
     shards = [p for m in model.modules() if (s := state_of(m)) for p in s.group.params]
@@ -155,11 +162,8 @@ Ranks all-gathered different sharded modules; every rank must run fully_shard mo
 
 
 def _order_change_warns_once():
-    torch.manual_seed(0)
-    model = TinyLM()
-    shard_blocks_then_root(model)
-    ids = torch.randint(0, 37, (2, 6))
-    lm_loss(model, ids).backward()
+    model = sharded_lm()
+    ids = first_step(model)
     model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])  # every rank changes the same way
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
