@@ -39,8 +39,8 @@ def shard(model, fully_shard, mesh):
 
 def check_against_local_tag(enabled: bool) -> None:
     """Let our order check run its full cost on the fake backend, whose outputs hold no data."""
-    import fsdp_compose.group as group_module
-    from fsdp_compose.order_check import verify_headers
+    import fsdp_compose.runtime.group as group_module
+    from fsdp_compose.runtime.order_check import verify_headers
 
     def verify_local(headers, expected, describe):
         world = headers.shape[0]

@@ -6,16 +6,16 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 """
 
 from .api import fully_shard
-from .checkpoint import exists as checkpoint_exists
-from .checkpoint import load_checkpoint, save_checkpoint
-from .checkpoint_check import CheckpointError
-from .clip import clip_grad_norm_
+from .whole_model.checkpoint import exists as checkpoint_exists
+from .whole_model.checkpoint import load_checkpoint, save_checkpoint
+from .whole_model.checkpoint_check import CheckpointError
+from .whole_model.clip import clip_grad_norm_
 from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .state_dict import full_state_dict, load_full_state_dict
-from .summon import summon_full_params
+from .whole_model.state_dict import full_state_dict, load_full_state_dict
+from .whole_model.summon import summon_full_params
 from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
 
 __all__ = [

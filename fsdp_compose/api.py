@@ -9,15 +9,15 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from .group import ParamGroup
-from .hooks.backward import on_grad_accumulated
-from .hooks.forward import post_forward, pre_forward
+from .runtime.group import ParamGroup
+from .runtime.hooks.backward import on_grad_accumulated
+from .runtime.hooks.forward import post_forward, pre_forward
 from .mesh import default_mesh, mesh_device, post_forward_group
 from .module import FSDPModule, become_fsdp_module
-from .params import ParamPlace, ShardedParam
+from .runtime.params import ParamPlace, ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
-from .state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
-from .state_dict_hooks import register_state_dict_hooks
+from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
+from .whole_model.state_dict_hooks import register_state_dict_hooks
 
 
 def _managed_params(

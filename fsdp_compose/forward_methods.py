@@ -13,9 +13,9 @@ import types
 
 from torch import nn
 
-from .hooks.forward import post_forward, pre_forward
+from .runtime.hooks.forward import post_forward, pre_forward
 from .module import FSDPModule
-from .state import class_name, state_of
+from .runtime.state import class_name, state_of
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:

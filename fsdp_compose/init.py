@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .params import ShardedParam
-from .state import states_in
+from .runtime.params import ShardedParam
+from .runtime.state import states_in
 
 
 def _reset(module: nn.Module) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .state import GroupState, class_name, state_of, states_in
+from .runtime.state import GroupState, class_name, interface_classes, state_of, states_in
 
 
 class UnshardHandle:
@@ -99,6 +99,9 @@ class FSDPModule:
         self._fsdp_state().is_last_backward = is_last_backward
 
 
+interface_classes.add(FSDPModule)
+
+
 def _state_for_prefetch(module: nn.Module) -> GroupState:
     state = state_of(module)
     if state is None:
@@ -117,4 +120,5 @@ def become_fsdp_module(module: nn.Module) -> None:
     if new_cls is None:
         new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
         _fsdp_classes[cls] = new_cls
+        interface_classes.add(new_cls)
     module.__class__ = new_cls

@@ -66,7 +66,7 @@ def resolve_layout(
     offload_policy: OffloadPolicy,
 ):
     """Where one parameter's shard lives and which dtypes its collectives use."""
-    from .params import ParamLayout
+    from .runtime.params import ParamLayout
 
     floating = dtype.is_floating_point
     gather_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype is not None else dtype

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from .api import fully_shard
-from .state import state_of
+from .runtime.state import state_of
 
 Overrides = dict[str, Any]
 Selection = dict[nn.Module, Overrides]

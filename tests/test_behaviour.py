@@ -91,7 +91,7 @@ def _eval_and_storage():
     """Storage really is freed: measured on the unsharded parameters' storages."""
     import torch.distributed as dist
 
-    from fsdp_compose.state import state_of
+    from fsdp_compose.runtime.state import state_of
 
     torch.manual_seed(0)
     reference = TinyLM()

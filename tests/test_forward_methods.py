@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import register_fsdp_forward_method
-from fsdp_compose.state import state_of
+from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import SEQ, VOCAB, TinyLM, shard_blocks_then_root
 

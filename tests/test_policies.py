@@ -10,7 +10,7 @@ from expecttest import assert_expected_inline
 from torch import nn
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from fsdp_compose.state import state_of
+from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import (
     DIM,
@@ -131,7 +131,7 @@ class MixedLM(TinyLM):
 
 
 def _mixed_dtype_group(reduce_dtype):
-    from tests.test_collectives import count_collectives
+    from tests.runtime.test_collectives import count_collectives
 
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     result = train_against_reference(MixedLM, lambda m: shard_blocks_then_root(m, mp_policy=policy), lr=1e-3)
@@ -229,7 +229,7 @@ class Float8LM(TinyLM):
 
 
 def _float8_group():
-    from tests.test_collectives import count_collectives
+    from tests.runtime.test_collectives import count_collectives
 
     result = train_against_reference(Float8LM, shard_blocks_then_root, lr=1e-3)
     torch.manual_seed(0)

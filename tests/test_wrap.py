@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fsdp_compose import CustomPolicy, ModuleWrapPolicy, SizeBasedPolicy, apply_fully_shard
-from fsdp_compose.state import state_of
+from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import Block, TinyLM, assert_parity, train_against_reference
 

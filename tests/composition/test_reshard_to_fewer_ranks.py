@@ -3,7 +3,7 @@
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.state import state_of
+from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
 

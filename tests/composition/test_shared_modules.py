@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from fsdp_compose import fully_shard
-from fsdp_compose.state import state_of
+from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import DIM, VOCAB, TinyLM, assert_parity, lm_loss, train_against_reference
-from tests.test_collectives import count_collectives
+from tests.runtime.test_collectives import count_collectives
 
 
 class TiedLM(TinyLM):

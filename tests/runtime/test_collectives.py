@@ -88,7 +88,7 @@ no_grad_forward: [('all_gather_single', 4)]""",
 
 
 def _module_interface():
-    from fsdp_compose.state import state_of
+    from fsdp_compose.runtime.state import state_of
     from tests.models import Block
 
     torch.manual_seed(0)

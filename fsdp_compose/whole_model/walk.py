@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .state import GroupState, states_in
+from ..runtime.state import GroupState, states_in
 
 
 def group_states(module: nn.Module) -> list[GroupState]:

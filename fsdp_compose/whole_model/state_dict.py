@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .collectives import CommStats, GatherLayout, all_gather_flat
-from .params import ShardedParam
-from .state import GroupState
+from ..runtime.collectives import CommStats, GatherLayout, all_gather_flat
+from ..runtime.params import ShardedParam
+from ..runtime.state import GroupState
 from .state_dict_hooks import local_part
 from .walk import check_idle, group_states, reshard_idle
 

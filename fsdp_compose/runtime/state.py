@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .group import ParamGroup
-from .policies import MixedPrecisionPolicy
+from ..policies import MixedPrecisionPolicy
 
 
 @dataclass(eq=False)
@@ -76,14 +76,14 @@ class RootState:
 _module_states: weakref.WeakKeyDictionary[nn.Module, GroupState] = weakref.WeakKeyDictionary()
 _states_by_uid: weakref.WeakValueDictionary[int, GroupState] = weakref.WeakValueDictionary()
 _OWNER_ATTR = "_fsdp_compose_owner"
+# FSDPModule and the subclasses fully_shard swaps in (module.py adds them): names skip them
+interface_classes: set[type] = set()
 
 
 def class_name(module: nn.Module) -> str:
     """The user's class name, not the FSDP subclass swapped in by fully_shard."""
-    from .module import FSDPModule
-
     for cls in type(module).__mro__:
-        if not issubclass(cls, FSDPModule):
+        if cls not in interface_classes:
             return cls.__name__
     return type(module).__name__
 

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from .params import ShardedParam
-from .state import GroupState
+from ..runtime.params import ShardedParam
+from ..runtime.state import GroupState
 from .walk import check_idle
 
 

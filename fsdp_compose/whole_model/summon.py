@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .params import ShardedParam
+from ..runtime.params import ShardedParam
 from .state_dict_hooks import local_part
 from .walk import group_states, reshard_idle
 
