@@ -168,6 +168,8 @@ class ShardedParam:
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
+        # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (see stash_grad)
+        self._accumulated_grad: torch.Tensor | None = None
 
     def _zeros(self, numel: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.layout.gather_dtype, device=device)
@@ -247,16 +249,43 @@ class ShardedParam:
             return 0
         return self._gather_target.untyped_storage().nbytes()
 
-    def unsharded_grad(self) -> torch.Tensor | None:
-        """The gradient autograd accumulated on the unsharded parameter (TP-local under TP)."""
+    def _autograd_grad(self) -> torch.Tensor | None:
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
         if isinstance(grad, DTensor):
             return grad._local_tensor
         return grad
 
+    def unsharded_grad(self) -> torch.Tensor | None:
+        """The unsharded gradient to reduce (TP-local under TP): this backward's plus any
+        gradient stashed by earlier no-sync micro-batches."""
+        grad = self._autograd_grad()
+        accumulated = self._accumulated_grad
+        if accumulated is None:
+            return grad
+        if grad is not None:
+            accumulated.add_(grad.reshape(accumulated.shape))
+        return accumulated
+
+    def stash_grad(self) -> None:
+        """After a no-sync backward: move a low-precision unsharded gradient into an accumulator
+        in the reduce dtype, so micro-batches sum in (say) fp32 rather than in bf16.
+
+        A gradient already in the reduce dtype stays on the parameter; autograd adds to it.
+        """
+        grad = self._autograd_grad()
+        if grad is None or grad.dtype == self.layout.reduce_dtype:
+            return
+        with torch.no_grad():
+            if self._accumulated_grad is None:
+                self._accumulated_grad = grad.to(self.layout.reduce_dtype)
+            else:
+                self._accumulated_grad.add_(grad)
+        self.unsharded_param.grad = None
+
     def clear_unsharded_grad(self) -> None:
         if self.unsharded_param is not None:
             self.unsharded_param.grad = None
+        self._accumulated_grad = None
 
     def use(self, unsharded: bool) -> None:
         """Register the sharded or the unsharded parameter everywhere it lives."""

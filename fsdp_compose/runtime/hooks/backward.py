@@ -87,6 +87,9 @@ def post_backward(state: GroupState) -> None:
         reducing.append(state)
         while len(reducing) > state.root.reduce_limit:  # bound the memory held by reductions
             reducing.pop(0).group.wait_reduces()
+    elif group.trainable:  # no-sync micro-batch: keep summing in the reduce dtype
+        for p in group.trainable:
+            p.stash_grad()
     if state.reshard_after_backward:
         group.reshard()
 
