@@ -13,7 +13,7 @@ from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward, pre_forward
 from .mesh import default_mesh, mesh_device, post_forward_group
-from .module import FSDPModule, become_fsdp_module
+from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .runtime.params import ParamPlace, ShardedParam
 from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
@@ -108,6 +108,19 @@ def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, o
             raise NotImplementedError(f"fully_shard({name}, {option}=...): not implemented yet")
 
 
+def _check_module(module: nn.Module) -> None:
+    if state_of(module) is not None:
+        raise AlreadyShardedError(
+            f"fully_shard was already called on this {class_name(module)} module; call it once per module "
+            "(Each distinct composable distributed API can only be applied to a module once.)"
+        )
+    if isinstance(module, (nn.ModuleList, nn.ModuleDict)) and type(module).forward is nn.Module.forward:
+        raise ValueError(
+            f"fully_shard does not support containers that do not implement forward ({class_name(module)}): "
+            "shard its children one by one, or pass them as a list, fully_shard(list(container))"
+        )
+
+
 def fully_shard(
     module: nn.Module | list[nn.Module],
     *,
@@ -154,8 +167,7 @@ def fully_shard(
     if not modules:
         raise ValueError("fully_shard([]): pass at least one module")
     for m in modules:
-        if state_of(m) is not None:
-            raise ValueError(f"fully_shard was already called on this {class_name(m)} module; call it once per module")
+        _check_module(m)
     module_list, module = module, modules[0]
     mesh = mesh if mesh is not None else default_mesh()
     _check_unsupported(
@@ -211,5 +223,13 @@ def fully_shard(
         become_fsdp_module(m)
     return module_list
 
+
+def _state_of_sharded(module: nn.Module) -> GroupState | None:
+    """``fully_shard.state(module)``: the state object of the call on ``module`` (as torch's
+    composable APIs offer); one distinct object per ``fully_shard`` call."""
+    return state_of(module)
+
+
+fully_shard.state = _state_of_sharded  # type: ignore[attr-defined]
 
 __all__ = ["fully_shard", "FSDPModule"]

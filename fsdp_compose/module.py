@@ -21,8 +21,31 @@ class UnshardHandle:
         self._state.group.wait_unshard()
 
 
+class AlreadyShardedError(ValueError, AssertionError):
+    """``fully_shard`` called twice on one module.
+
+    Both a ``ValueError`` (bad argument) and an ``AssertionError`` (what torch's FSDP2 raises),
+    so ``except`` clauses written for either keep working.
+    """
+
+
+class DeepcopyUnsupportedError(RuntimeError, AssertionError):
+    """``copy.deepcopy`` of a sharded module (an ``AssertionError`` in torch's FSDP2 too)."""
+
+
 class FSDPModule:
     """Interface of every module ``fully_shard`` was called on."""
+
+    def __new__(cls, *args, **kwargs):
+        """Build the user's class, not the swapped-in FSDP subclass.
+
+        Containers create new instances of their own class, e.g. ``sequential[:2]``; such a
+        slice has no sharding state of its own, so it must not claim to be an ``FSDPModule``.
+        """
+        user_cls = next(c for c in cls.__mro__ if c not in interface_classes)
+        instance = user_cls.__new__(user_cls)
+        instance.__init__(*args, **kwargs)
+        return instance
 
     def _fsdp_state(self) -> GroupState:
         state = state_of(self)
@@ -118,7 +141,19 @@ def become_fsdp_module(module: nn.Module) -> None:
         return
     new_cls = _fsdp_classes.get(cls)
     if new_cls is None:
-        new_cls = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"__module__": cls.__module__})
+        new_cls = type(
+            f"FSDP{cls.__name__}",
+            (FSDPModule, cls),
+            {"__module__": cls.__module__, "__deepcopy__": _refuse_deepcopy},
+        )
         _fsdp_classes[cls] = new_cls
         interface_classes.add(new_cls)
     module.__class__ = new_cls
+
+
+def _refuse_deepcopy(module: nn.Module, memo: dict) -> None:
+    raise DeepcopyUnsupportedError(
+        f"copy.deepcopy({class_name(module)}): FSDP does not support deepcopy of a sharded module "
+        "(its parameters are shards tied to process groups and hooks); deepcopy the model before "
+        "fully_shard, or copy its weights with state_dict()/full_state_dict() into a fresh model"
+    )

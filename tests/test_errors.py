@@ -26,7 +26,7 @@ def test_double_apply():
     fully_shard(block)
     assert_expected_inline(
         message(lambda: fully_shard(block)),
-        """ValueError: fully_shard was already called on this Block module; call it once per module""",
+        """AlreadyShardedError: fully_shard was already called on this Block module; call it once per module (Each distinct composable distributed API can only be applied to a module once.)""",
     )
 
 
