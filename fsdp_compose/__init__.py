@@ -6,6 +6,7 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 """
 
 from .api import fully_shard
+from .comm import AllGather, Comm, ReduceScatter
 from .whole_model.checkpoint import exists as checkpoint_exists
 from .whole_model.checkpoint import load_checkpoint, save_checkpoint
 from .whole_model.checkpoint_check import CheckpointError
@@ -13,6 +14,7 @@ from .whole_model.clip import clip_grad_norm_
 from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
+from .module_knobs import share_comm_ctx
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params
@@ -22,6 +24,10 @@ __all__ = [
     "fully_shard",
     "FSDPModule",
     "UnshardHandle",
+    "share_comm_ctx",
+    "Comm",
+    "AllGather",
+    "ReduceScatter",
     "register_fsdp_forward_method",
     "MixedPrecisionPolicy",
     "OffloadPolicy",

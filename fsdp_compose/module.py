@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from .module_knobs import FSDPModuleKnobs
 from .runtime.state import GroupState, class_name, interface_classes, state_of, states_in
 
 
@@ -33,7 +34,7 @@ class DeepcopyUnsupportedError(RuntimeError, AssertionError):
     """``copy.deepcopy`` of a sharded module (an ``AssertionError`` in torch's FSDP2 too)."""
 
 
-class FSDPModule:
+class FSDPModule(FSDPModuleKnobs):
     """Interface of every module ``fully_shard`` was called on."""
 
     def __new__(cls, *args, **kwargs):
@@ -123,6 +124,7 @@ class FSDPModule:
 
 
 interface_classes.add(FSDPModule)
+interface_classes.add(FSDPModuleKnobs)
 
 
 def _state_for_prefetch(module: nn.Module) -> GroupState:

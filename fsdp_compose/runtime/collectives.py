@@ -70,14 +70,23 @@ class GatherLayout:
 
 
 def all_gather_flat(
-    pieces: list[torch.Tensor], layout: GatherLayout, group, stats: CommStats
+    pieces: list[torch.Tensor], layout: GatherLayout, group, stats: CommStats, comm=None
 ) -> tuple[object, torch.Tensor]:
-    """Start one all-gather of the concatenated pieces; return (work, (world, total) output)."""
+    """Start one all-gather of the concatenated pieces; return (work, (world, total) output).
+
+    ``comm`` (an ``AllGather``-protocol object) allocates the output and runs the collective.
+    """
     flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
-    output = flat.new_empty(layout.world_size * flat.numel())
+    if comm is None:
+        output = flat.new_empty(layout.world_size * flat.numel())
+    else:
+        output = comm.allocate((layout.world_size * flat.numel(),), dtype=flat.dtype, device=flat.device)
     stats.all_gathers += 1
     stats.all_gather_bytes += output.numel() * output.element_size()
-    work = _all_gather(output, flat, group, async_op=True)
+    if comm is None:
+        work = _all_gather(output, flat, group, async_op=True)
+    else:
+        work = comm(output, flat, group, async_op=True)
     return work, output.view(layout.world_size, -1)
 
 
@@ -90,16 +99,31 @@ def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.T
 
 
 def reduce_scatter_rows(
-    rows: list[torch.Tensor], group, stats: CommStats, pre_divide: int = 1
+    rows: list[torch.Tensor], group, stats: CommStats, pre_divide: float = 1, comm=None
 ) -> tuple[object, torch.Tensor]:
-    """Start one reduce-scatter (sum) of column blocks; rank r receives row r."""
-    table = torch.cat(rows, dim=1)
+    """Start one reduce-scatter (sum) of column blocks; rank r receives row r.
+
+    ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
+    """
+    if comm is None:
+        table = torch.cat(rows, dim=1)
+    else:
+        width = sum(r.shape[1] for r in rows)
+        buffer = comm.allocate((rows[0].shape[0] * width,), dtype=rows[0].dtype, device=rows[0].device)
+        table = buffer.view(rows[0].shape[0], width)
+        torch.cat(rows, dim=1, out=table)
     if pre_divide != 1:
         table.div_(pre_divide)
-    output = table.new_empty(table.shape[1])
+    if comm is None:
+        output = table.new_empty(table.shape[1])
+    else:
+        output = comm.allocate((table.shape[1],), dtype=table.dtype, device=table.device)
     stats.reduce_scatters += 1
     stats.reduce_scatter_bytes += table.numel() * table.element_size()
-    work = _reduce_scatter(output, table.view(-1), group, async_op=True)
+    if comm is None:
+        work = _reduce_scatter(output, table.view(-1), group, async_op=True)
+    else:
+        work = comm(output, table.view(-1), group, op=dist.ReduceOp.SUM, async_op=True)
     return work, output
 
 

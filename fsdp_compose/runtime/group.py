@@ -17,6 +17,7 @@ from .collectives import (
     copy_out,
     reduce_scatter_rows,
 )
+from .comm_options import CommOptions
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
 
@@ -80,6 +81,7 @@ class ParamGroup:
         self.is_unsharded = False
         self.pending_unshard: PendingCollective | None = None
         self.pending_reduces: list[PendingCollective] = []
+        self.comm = CommOptions()
 
     def follow_local_devices(self) -> None:
         """Re-read the device after deferred initialization materialized the shards."""
@@ -104,13 +106,13 @@ class ParamGroup:
             if self._kept is not None:
                 kept, self._kept = self._kept, None
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
-                work, gathered = all_gather_flat([kept], layout, group, self.stats)
+                work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
             else:
                 pieces = [] if self.header is None else [self.header]
                 for p in self.params:
                     pieces.extend(p.gather_pieces())
                 layout, rows = self.layout, self.world_size
-                work, gathered = all_gather_flat(pieces, layout, self.process_group, self.stats)
+                work, gathered = all_gather_flat(pieces, layout, self.process_group, self.stats, self.comm.all_gather)
         self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, layout, rows))
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
@@ -182,9 +184,15 @@ class ParamGroup:
                 for p in params:
                     p.clear_unsharded_grad()
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
-                pre_divide = self.world_size if dtype.itemsize < 4 else 1
-                work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats, pre_divide)
-                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce)
+                factor = self.comm.gradient_divide_factor or self.dp_size
+                if dtype.itemsize >= 4:
+                    pre_divide = 1
+                else:
+                    pre_divide = self.world_size if self.comm.gradient_divide_factor is None else factor
+                group = self.comm.reduce_process_group or self.process_group
+                comm = self.comm.reduce_scatter
+                work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm)
+                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor)
                 self.pending_reduces.append(PendingCollective(work, finish))
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
@@ -199,7 +207,7 @@ class ParamGroup:
         return flags.expand(self.world_size, -1)
 
     def _finish_reduce(
-        self, params: list[ShardedParam], reduced: torch.Tensor, pre_divided: int, all_reduce: bool
+        self, params: list[ShardedParam], reduced: torch.Tensor, pre_divided: float, all_reduce: bool, factor: float
     ) -> None:
         if self.replicate_group is not None:
             earlier = self._partial.pop(reduced.dtype, None)
@@ -210,8 +218,10 @@ class ParamGroup:
                 return
             all_reduce_sum(reduced, self.replicate_group, self.stats)
         received = reduced[-len(params):].tolist()
-        if self.dp_size != pre_divided:
-            reduced.div_(self.dp_size // pre_divided)
+        if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
+            self.comm.all_reduce_hook(reduced[: -len(params)])
+        if factor != pre_divided:
+            reduced.div_(factor / pre_divided)
         offset = 0
         for p, flag in zip(params, received):
             if flag > 0:
@@ -222,3 +232,21 @@ class ParamGroup:
         pending, self.pending_reduces = self.pending_reduces, []
         for collective in pending:
             collective.finish()
+
+    def discard_step(self) -> None:
+        """After a failed forward/backward: finish in-flight collectives (every rank issued
+        them), drop the gradients they carry and any accumulated ones, and reshard."""
+        self.wait_unshard()
+        pending, self.pending_reduces = self.pending_reduces, []
+        for collective in pending:
+            collective.on_done = _discard
+            collective.finish()
+        self._partial.clear()
+        self.reshard()
+        self._kept = None
+        for p in self.params:
+            p.clear_unsharded_grad()
+
+
+def _discard() -> None:
+    """Completion of a reduction whose result a recovered step no longer wants."""

@@ -25,6 +25,9 @@ class GroupState:
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
     is_last_backward: bool = True
+    unshard_in_backward: bool = True  # False: backward never needs the unsharded values (embedding)
+    reduce_scatter_unused_params: bool = False  # recorded; unused parameters are always reduced as zeros
+    reduce_buffers: int | None = None  # reductions in flight before waiting; None: the root's reduce_limit
     modules: list[nn.Module] = field(default_factory=list)  # every module of the call
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: RootState | None = None

@@ -56,7 +56,12 @@ def pre_backward(state: GroupState) -> None:
     if state.pre_backward_done:
         return
     state.pre_backward_done = True
-    unshard_with_prefetch(state, backward_prefetch_targets(root, state))
+    targets = [t for t in backward_prefetch_targets(root, state) if t.unshard_in_backward]
+    if state.unshard_in_backward:
+        unshard_with_prefetch(state, targets)
+    else:  # set_unshard_in_backward(False): only the prefetches
+        for target in targets:
+            target.group.start_unshard()
 
 
 def on_grad_accumulated(state: GroupState, index: int) -> None:
@@ -85,7 +90,8 @@ def post_backward(state: GroupState) -> None:
         group.start_reduce(all_reduce=state.requires_all_reduce)
         reducing = state.root.reducing
         reducing.append(state)
-        while len(reducing) > state.root.reduce_limit:  # bound the memory held by reductions
+        limit = state.reduce_buffers or state.root.reduce_limit
+        while len(reducing) > limit:  # bound the memory held by reductions
             reducing.pop(0).group.wait_reduces()
     elif group.trainable:  # no-sync micro-batch: keep summing in the reduce dtype
         for p in group.trainable:

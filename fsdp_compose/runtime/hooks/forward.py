@@ -74,6 +74,9 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
     if state.is_root:
         for s in root.states:  # reductions a non-last backward left in flight
             s.group.wait_reduces()
+            event, s.group.comm.post_optim_event = s.group.comm.post_optim_event, None
+            if event is not None:  # set_post_optim_event: gather only after the optimizer step
+                event.wait()
         root.reducing.clear()
     record_pre_forward(root, state)
     unshard_with_prefetch(state, forward_prefetch_targets(root, state))

@@ -1,0 +1,297 @@
+"""The rest of torch FSDP2's ``FSDPModule`` methods: recovery, reduction and communication knobs.
+
+Mixed into ``FSDPModule``. Each method only records a setting on the group state or the
+group's ``CommOptions``; the runtime reads them where collectives are issued. Where torch's
+knob is about CUDA streams or NCCL and has no meaning on a CPU/gloo group, the method says so
+with an error rather than accepting the call and doing something else.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from typing_extensions import deprecated
+
+from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm
+from .runtime.recovery import reset_iteration
+from .runtime.state import GroupState, class_name, state_of, states_in
+
+
+class FSDPModuleKnobs:
+    """Methods of ``FSDPModule`` beyond unshard/reshard/sync (see ``module.py``)."""
+
+    # provided by FSDPModule
+    def _fsdp_state(self) -> GroupState: ...
+    def _fsdp_states(self, recurse: bool) -> list[GroupState]: ...
+
+    def _fsdp_name(self) -> str:
+        return class_name(self)
+
+    # ----- recovery ---------------------------------------------------------------------
+    def reset_iter_state(self) -> None:
+        """Recover after an exception aborted ``forward()`` or ``backward()`` mid-step.
+
+        Call it on the root module (the one sharded last and run first), then run the next
+        step normally. It waits for in-flight all-gathers and reductions, reshards every group
+        and clears the step's bookkeeping. The failed step's pending reductions, HSDP partial
+        sums and no-sync accumulation are dropped (restart the micro-batch sequence);
+        ``optimizer.zero_grad()`` drops gradients that had already been reduced. Raises
+        ``RuntimeError`` on a non-root module.
+        """
+        reset_iteration(self._fsdp_state())
+
+    # ----- gradient reduction -----------------------------------------------------------
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide the summed gradients by ``factor`` instead of the data-parallel size.
+
+        ``1.0`` gives the plain sum over ranks. Works on every backend: the collectives
+        always sum (fp32/fp64 divide once after; bf16/fp16 divide before, so the sum cannot
+        overflow) instead of using NCCL's ``PREMUL_SUM``. Not recursive, as in FSDP2.
+        """
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+            raise ValueError(f"{self._fsdp_name()}.set_gradient_divide_factor({factor!r}): pass a positive finite number")
+        self._fsdp_state().group.comm.gradient_divide_factor = float(factor)
+
+    @deprecated("Use `set_gradient_divide_factor` instead")
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """Deprecated alias of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Require collectives to use only ``ReduceOp.SUM`` (scaling as separate steps).
+
+        fsdp_compose already does so for every dtype and backend, so ``True`` is always
+        honoured and ``False`` changes nothing; the value is recorded on the group. An
+        ``all_reduce_hook`` receives sums before the final division, as FSDP2 does here.
+        """
+        self._fsdp_state().group.comm.force_sum_reduction = bool(enable)
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
+        """Include zero gradients for parameters that got none on this rank.
+
+        fsdp_compose always does (with a has-gradient flag per parameter, so a parameter no
+        rank used keeps ``.grad`` unchanged), which is what makes rank-dependent control flow
+        (mixture of experts) safe; both values behave that way and are recorded.
+        """
+        for state in self._fsdp_states(recurse):
+            state.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
+        """How many groups' reductions may be in flight before backward waits for the oldest.
+
+        Each in-flight reduction holds its input buffer; more overlap costs more memory.
+        ``1`` waits for the previous reduction before the next starts. The default (unset) is
+        the root's limit, 2.
+        """
+        if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
+            raise TypeError(
+                f"{self._fsdp_name()}.set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, "
+                f"got {type(max_input_buffers).__name__}"
+            )
+        if max_input_buffers < 1:
+            raise ValueError(
+                f"{self._fsdp_name()}.set_reduce_scatter_max_input_buffers: max_input_buffers must be a positive int, "
+                f"got {max_input_buffers}"
+            )
+        for state in self._fsdp_states(recurse):
+            state.reduce_buffers = max_input_buffers
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
+        """Run gradient reduce-scatters on a process group of their own.
+
+        On gloo a process group serves one collective at a time, so a reduce-scatter and
+        the next all-gather in backward queue behind each other; with a second group over
+        the same ranks they move concurrently. Collective: call it on every rank of the group
+        (one new group per distinct set of shard ranks). ``False`` goes back to the shared group.
+        """
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        for state in self._fsdp_states(recurse):
+            group = state.group
+            if not enable:
+                group.comm.reduce_process_group = None
+                continue
+            if group.comm.reduce_process_group is not None:
+                continue
+            ranks = tuple(dist.get_process_group_ranks(group.process_group))
+            if ranks not in created:
+                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+            group.comm.reduce_process_group = created[ranks]
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Whether backward needs this group's unsharded parameters.
+
+        ``False`` for groups whose backward uses no parameter values (an embedding: its
+        weight gradient needs only the indices) skips the all-gather in backward, saving a
+        collective and the memory.
+        """
+        self._fsdp_state().unshard_in_backward = bool(unshard_in_backward)
+
+    # ----- communication hooks ----------------------------------------------------------
+    def set_custom_all_gather(self, comm: AllGather) -> None:
+        """Run this group's all-gathers through ``comm`` (FSDP2's ``AllGather`` protocol).
+
+        ``comm.allocate(size, dtype=, device=)`` provides the output buffer (one flat
+        ``uint8`` buffer for the whole group) and ``comm(output_tensor, input_tensor, group,
+        async_op)`` runs the collective, e.g. on another process group.
+        """
+        group = self._fsdp_state().group
+        check_comm(comm, "set_custom_all_gather", self._fsdp_name())
+        self._refuse_with_pg_allocation(group, "set_custom_all_gather")
+        group.comm.all_gather = comm
+
+    def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
+        """Run this group's gradient reduce-scatters through ``comm`` (``ReduceScatter`` protocol).
+
+        ``op`` is always ``ReduceOp.SUM``; the input buffer is a ``(world, n)`` table of
+        padded gradients in the reduce dtype, flattened.
+        """
+        group = self._fsdp_state().group
+        check_comm(comm, "set_custom_reduce_scatter", self._fsdp_name())
+        self._refuse_with_pg_allocation(group, "set_custom_reduce_scatter")
+        group.comm.reduce_scatter = comm
+
+    def _refuse_with_pg_allocation(self, group, method: str) -> None:
+        if group.comm.pg_allocation:
+            raise ValueError(
+                f"{self._fsdp_name()}.{method}: cannot be combined with "
+                "set_allocate_memory_from_process_group_for_comm(True); turn that off first"
+            )
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
+        """Call ``hook(reduce_output)`` on each reduced gradient shard, in place, before the division.
+
+        ``reduce_output`` is the reduce-scatter output (1-D FSDP) or the all-reduce output
+        (HSDP): e.g. all-reduce across replicas your own way. ``stream`` runs the hook on a
+        CUDA stream; it is refused for HSDP (as in FSDP2) and on CPU (there are no streams).
+        """
+        if not callable(hook):
+            raise TypeError(f"{self._fsdp_name()}.set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
+        group = self._fsdp_state().group
+        if stream is not None:
+            if group.replicate_group is not None:
+                raise ValueError(f"{self._fsdp_name()}.set_all_reduce_hook: stream cannot be set when using native HSDP")
+            if group.device.type == "cpu":
+                raise ValueError(
+                    f"{self._fsdp_name()}.set_all_reduce_hook: stream= needs an accelerator; this group computes on CPU, "
+                    "where the hook runs in program order: leave stream unset"
+                )
+            hook = _on_stream(hook, stream)
+        group.comm.all_reduce_hook = hook
+
+    # ----- accelerator-only knobs -------------------------------------------------------
+    def set_post_optim_event(self, event: torch.Event) -> None:
+        """Make the root's next all-gathers wait for ``event`` (recorded after the optimizer step).
+
+        On an accelerator this replaces waiting for the whole compute stream. On CPU there
+        are no streams (collectives are issued in program order, after the optimizer step
+        already), so the call is refused rather than ignored.
+        """
+        state = self._fsdp_state()
+        if state.group.device.type == "cpu":
+            raise ValueError(
+                f"{self._fsdp_name()}.set_post_optim_event: this group computes on CPU, where there are no streams to "
+                "order: the next forward's all-gathers already start after the optimizer step. Drop the call on CPU"
+            )
+        if not callable(getattr(event, "wait", None)):
+            raise TypeError(f"{self._fsdp_name()}.set_post_optim_event: expected a torch.Event, got {type(event).__name__}")
+        state.group.comm.post_optim_event = event
+
+    def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
+        """Allocate all-gather buffers in NCCL symmetric memory (NCCL on CUDA only).
+
+        Refused on other backends (gloo has no symmetric memory) and, for now, on NCCL too:
+        fsdp_compose does not implement symmetric-memory buffers yet.
+        """
+        group = self._fsdp_state().group
+        if backend != "NCCL":
+            raise ValueError(f"{self._fsdp_name()}.set_symm_mem_for_comm(backend={backend!r}): only 'NCCL' is supported")
+        used = dist.get_backend(group.process_group)
+        if used != "nccl":
+            raise ValueError(
+                f"{self._fsdp_name()}.set_symm_mem_for_comm: symmetric memory needs the NCCL backend on CUDA; this "
+                f"group's process group uses {used}"
+            )
+        raise NotImplementedError(f"{self._fsdp_name()}.set_symm_mem_for_comm: not implemented in fsdp_compose yet")
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Allocate collective buffers with the process group's own allocator, if it has one.
+
+        NCCL can hand out registered memory (zero-copy transfers); gloo has no allocator,
+        so buffers keep coming from the default one and a ``UserWarning`` says so. Cannot be
+        combined with custom all-gather/reduce-scatter objects.
+        """
+        group = self._fsdp_state().group
+        if not enable:
+            if group.comm.pg_allocation:
+                group.comm.all_gather = group.comm.reduce_scatter = None
+                group.comm.pg_allocation = False
+            return
+        if group.comm.all_gather is not None or group.comm.reduce_scatter is not None:
+            if not group.comm.pg_allocation:
+                raise ValueError(
+                    f"{self._fsdp_name()}.set_allocate_memory_from_process_group_for_comm: cannot be combined with "
+                    "set_custom_all_gather / set_custom_reduce_scatter"
+                )
+            return
+        device = group.device
+        all_gather = ProcessGroupAllGather(group.process_group, device)
+        reduce_group = group.comm.reduce_process_group or group.process_group
+        reduce_scatter = ProcessGroupReduceScatter(reduce_group, device)
+        if not all_gather.supported:
+            warnings.warn(
+                f"{self._fsdp_name()}.set_allocate_memory_from_process_group_for_comm: the "
+                f"{dist.get_backend(group.process_group)} process group provides no allocator on {device.type}; "
+                "collective buffers come from the default allocator",
+                stacklevel=2,
+            )
+        group.comm.all_gather, group.comm.reduce_scatter = all_gather, reduce_scatter
+        group.comm.pg_allocation = True
+
+
+def _on_stream(hook: Callable[[torch.Tensor], None], stream: torch.Stream) -> Callable[[torch.Tensor], None]:
+    def run(tensor: torch.Tensor) -> None:
+        current = torch.accelerator.current_stream()
+        stream.wait_stream(current)
+        with torch.accelerator.stream(stream) if hasattr(torch.accelerator, "stream") else torch.cuda.stream(stream):
+            hook(tensor)
+        current.wait_stream(stream)
+
+    return run
+
+
+def share_comm_ctx(modules: list) -> None:
+    """Make sharded modules (e.g. pipeline stages, each its own root) share communication resources.
+
+    In FSDP2 that is CUDA streams. fsdp_compose issues collectives from the calling thread
+    without side streams; what it shares is the separate reduce-scatter process group: after
+    ``set_separate_reduce_scatter_group`` on the first module, the others with the same shard
+    ranks reuse its group instead of keeping their own.
+    """
+    if not modules:
+        return
+    from .module import FSDPModule
+
+    states = []
+    for module in modules:
+        if not isinstance(module, FSDPModule):
+            raise ValueError(f"share_comm_ctx expects a list of FSDPModules but got {type(module).__name__}")
+        states.append(state_of(module))
+    first = states[0].group
+    shared = next(
+        (s.group.comm.reduce_process_group for _, s in states_in(modules[0]) if s.group.comm.reduce_process_group),
+        None,
+    )
+    ranks = dist.get_process_group_ranks(first.process_group)
+    for state in [s for module in modules[1:] for _, s in states_in(module)]:
+        if dist.get_process_group_ranks(state.group.process_group) != ranks:
+            raise ValueError(
+                f"share_comm_ctx: {class_name(state.module)} shards over ranks "
+                f"{dist.get_process_group_ranks(state.group.process_group)}, the first module over {ranks}; "
+                "only modules on the same shard ranks can share communication"
+            )
+        state.group.comm.reduce_process_group = shared
