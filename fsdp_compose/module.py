@@ -98,8 +98,12 @@ class FSDPModule(FSDPModuleKnobs):
         for state in self._fsdp_states(recurse):
             state.reshard_after_backward = reshard_after_backward
 
-    def set_reshard_after_forward(self, reshard_after_forward: bool, *, recurse: bool = True) -> None:
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether parameters are freed after forward and re-gathered in backward."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(
+                f"{class_name(self)}.set_reshard_after_forward: pass True or False, got {reshard_after_forward!r}"
+            )
         for state in self._fsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
 

@@ -1,0 +1,107 @@
+"""fsdp_compose's public surface equals the installed torch's FSDP2 (``torch.distributed.fsdp.fully_shard``
+and friends): every name, every ``FSDPModule`` method with its parameters, every ``fully_shard``
+keyword. A torch release that adds or changes one fails here, listing the difference."""
+
+import dataclasses
+import inspect
+
+import torch.distributed.fsdp as torch_fsdp
+import torch.distributed.fsdp._fully_shard as torch_fsdp2
+
+import fsdp_compose
+
+# Being built on another branch (shard placement / SPMD meshes). The coordinator empties this
+# at merge; the test fails if a name listed here has already arrived, so it cannot go stale.
+IN_PROGRESS_ELSEWHERE = {
+    "names": {"DataParallelMeshDims"},
+    "fully_shard keywords": {"dp_mesh_dims"},
+}
+
+# Ours only; each has a row in docs/migrating-from-fsdp2.md ("beyond FSDP2").
+BEYOND_FSDP2 = {
+    "apply_fully_shard", "ShardPlan", "WrapPolicy", "ModuleWrapPolicy", "CustomPolicy", "SizeBasedPolicy",
+    "init_sharded_parameters", "sync_module_states", "full_state_dict", "load_full_state_dict",
+    "summon_full_params", "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "checkpoint_exists",
+    "CheckpointError", "Comm", "AllGather", "ReduceScatter",
+}
+
+
+def _public_methods(cls) -> set[str]:
+    return {name for name in dir(cls) if not name.startswith("_") and callable(getattr(cls, name))}
+
+
+def _shape(fn) -> list[tuple]:
+    """Parameter names, kinds and simple defaults: what caller code depends on."""
+    shape = []
+    for p in inspect.signature(fn).parameters.values():
+        default = p.default
+        if default is not inspect.Parameter.empty and not isinstance(default, (bool, int, float, str, type(None))):
+            default = type(default).__name__  # e.g. MixedPrecisionPolicy(): compare the class name
+        shape.append((p.name, p.kind.name, default))
+    return shape
+
+
+def _differences(ours: set[str], theirs: set[str], in_progress: set[str] = frozenset()) -> list[str]:
+    lines = [f"missing in fsdp_compose: {name}" for name in sorted(theirs - ours - in_progress)]
+    lines += [f"listed as in progress but now present, remove from IN_PROGRESS_ELSEWHERE: {name}"
+              for name in sorted(in_progress & ours)]
+    return lines
+
+
+def test_every_fsdp2_name_is_exported():
+    theirs = set(torch_fsdp2.__all__)
+    assert theirs <= set(torch_fsdp.__all__)
+    ours = set(fsdp_compose.__all__)
+    problems = _differences(ours, theirs, IN_PROGRESS_ELSEWHERE["names"])
+    extra = ours - theirs - BEYOND_FSDP2
+    problems += [f"exported but neither FSDP2 nor in BEYOND_FSDP2 (add a docs row): {name}" for name in sorted(extra)]
+    problems += [f"BEYOND_FSDP2 lists a name no longer exported: {n}" for n in sorted(BEYOND_FSDP2 - ours)]
+    assert not problems, "\n".join(problems)
+
+
+def test_fsdp_module_methods_match():
+    ours, theirs = _public_methods(fsdp_compose.FSDPModule), _public_methods(torch_fsdp.FSDPModule)
+    problems = _differences(ours, theirs) + [f"not in FSDP2's FSDPModule: {n}" for n in sorted(ours - theirs)]
+    for name in sorted(ours & theirs):
+        mine, torchs = _shape(getattr(fsdp_compose.FSDPModule, name)), _shape(getattr(torch_fsdp.FSDPModule, name))
+        if mine != torchs:
+            problems.append(f"FSDPModule.{name}: ours {mine} vs torch {torchs}")
+    assert not problems, "\n".join(problems)
+
+
+def test_fully_shard_keywords_match():
+    mine = {name: shape for name, *shape in _shape(fsdp_compose.fully_shard)}
+    torchs = {name: shape for name, *shape in _shape(torch_fsdp.fully_shard)}
+    problems = _differences(set(mine), set(torchs), IN_PROGRESS_ELSEWHERE["fully_shard keywords"])
+    problems += [f"fully_shard keyword not in FSDP2: {n}" for n in sorted(set(mine) - set(torchs))]
+    for name in sorted(set(mine) & set(torchs)):
+        if mine[name] != torchs[name]:
+            problems.append(f"fully_shard({name}=...): ours {mine[name]} vs torch {torchs[name]}")
+    assert not problems, "\n".join(problems)
+
+
+def test_policies_and_handles_match():
+    problems = []
+    for name in ("MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy"):
+        ours = [(f.name, f.default) for f in dataclasses.fields(getattr(fsdp_compose, name))]
+        theirs = [(f.name, f.default) for f in dataclasses.fields(getattr(torch_fsdp, name))]
+        if ours != theirs:
+            problems.append(f"{name} fields: ours {ours} vs torch {theirs}")
+    for name in ("UnshardHandle",):
+        ours, theirs = _public_methods(getattr(fsdp_compose, name)), _public_methods(getattr(torch_fsdp, name))
+        if ours != theirs:
+            problems.append(f"{name} methods: ours {sorted(ours)} vs torch {sorted(theirs)}")
+    for name in ("register_fsdp_forward_method", "share_comm_ctx"):
+        if _shape(getattr(fsdp_compose, name)) != _shape(getattr(torch_fsdp, name)):
+            problems.append(f"{name}: ours {_shape(getattr(fsdp_compose, name))} vs torch {_shape(getattr(torch_fsdp, name))}")
+    assert not problems, "\n".join(problems)
+
+
+def test_comm_protocols_match_torchs():
+    from torch.distributed.fsdp._fully_shard import _fsdp_api
+
+    for name in ("Comm", "AllGather", "ReduceScatter"):
+        ours, theirs = getattr(fsdp_compose, name), getattr(_fsdp_api, name)
+        for method in ("allocate", "__call__"):
+            if hasattr(theirs, method) and method in vars(theirs):
+                assert _shape(getattr(ours, method)) == _shape(getattr(theirs, method)), (name, method)
