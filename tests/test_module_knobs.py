@@ -94,6 +94,9 @@ def _fail_then_reset(model, batch, rank, world_size, step_holder={"step": 0}):  
     if state_of(model) is None:  # the reference never fails
         return default_step(model, batch, rank, world_size)
     step = step_holder["step"] = step_holder["step"] + 1
+    model.set_requires_gradient_sync(False)  # accumulated gradients the failed step must drop
+    lm_loss(model, batch).backward()
+    model.set_requires_gradient_sync(True)
     if step % 2:  # fail inside the second block's forward, after the first block gathered
         handle = model.blocks[1].register_forward_pre_hook(_raise_forward)
     else:  # fail in backward once the head and later blocks reduced (or are reducing)
