@@ -44,7 +44,7 @@ class FSDPModule(FSDPModuleKnobs):
         slice has no sharding state of its own, so it must not claim to be an ``FSDPModule``.
         """
         user_cls = next(c for c in cls.__mro__ if c not in interface_classes)
-        instance = user_cls.__new__(user_cls)
+        instance = user_cls.__new__(user_cls, *args, **kwargs)
         instance.__init__(*args, **kwargs)
         return instance
 
