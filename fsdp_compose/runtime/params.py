@@ -69,15 +69,17 @@ def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor(local, param._spec, requires_grad=False)
 
 
-def spmd_layout(dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str) -> tuple[DeviceMesh, list[Placement]]:
+def spmd_layout(
+    dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str, dim: int = 0
+) -> tuple[DeviceMesh, list[Placement]]:
     """The mesh and placements of a shard: data-parallel alone, or data x tensor parallel.
 
-    A tensor-parallel parameter's local tensor is sharded again on dim 0 over ``dp_mesh``; the
-    result is described on the mesh both come from. When TP also shards dim 0 and its mesh dim
-    comes after dp's, rows are chunked by TP first, which ``_StridedShard`` expresses.
+    A tensor-parallel parameter's local tensor is sharded again on ``dim`` over ``dp_mesh``; the
+    result is described on the mesh both come from. When TP also shards ``dim`` and its mesh dim
+    comes after dp's, TP chunks first, which ``_StridedShard`` expresses.
     """
     if tp_param is None:
-        return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(0)]
+        return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(dim)]
     tp_mesh, (tp_placement,) = tp_param.device_mesh, tp_param.placements
     root = dp_mesh._get_root_mesh()
     if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root.ndim != 2:
@@ -92,8 +94,8 @@ def spmd_layout(dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str) -> tupl
     tp_dim = root.mesh_dim_names.index(tp_mesh.mesh_dim_names[0])
     placements: list[Placement] = [Replicate(), Replicate()]
     placements[tp_dim] = tp_placement
-    strided = tp_placement.is_shard(0) and tp_dim > dp_dim
-    placements[dp_dim] = _StridedShard(0, split_factor=tp_mesh.size()) if strided else Shard(0)
+    strided = tp_placement.is_shard(dim) and tp_dim > dp_dim
+    placements[dp_dim] = _StridedShard(dim, split_factor=tp_mesh.size()) if strided else Shard(dim)
     return root, placements
 
 
@@ -112,6 +114,8 @@ class ShardedParam:
         fqn: str,
         mesh: DeviceMesh,
         layout: ParamLayout,
+        shard_dim: int = 0,
+        spmd: tuple[DeviceMesh, list[Placement]] | None = None,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -125,27 +129,36 @@ class ShardedParam:
         # tensor parallel: the TP-local tensor is what gets sharded and gathered here
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
         source = param._local_tensor if self.tp_spec is not None else param
-        spmd_mesh, placements = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn)
+        if spmd is None:
+            spmd = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn, shard_dim)
+        spmd_mesh, placements = spmd
         # the last mesh dim shards; a leading (HSDP) dim replicates
-        shard_dim = mesh.ndim - 1
-        self.world_size = mesh.size(shard_dim)
-        self.rank = mesh.get_local_rank(shard_dim)
+        self.world_size = mesh.size(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.shard_dim = shard_dim  # the tensor dim split across ranks ("rows" below are slices of it)
         self.shape = param.shape  # global shape
         self.unsharded_shape = source.shape  # what the module sees: global, or TP-local under TP
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
-        self.row_numel = math.prod(source.shape[1:])
-        self.rows_per_rank = math.ceil(source.shape[0] / self.world_size)
+        size = source.shape[shard_dim]
+        self.row_numel = math.prod(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
+        self.rows_per_rank = math.ceil(size / self.world_size)
         self.padded_numel = self.rows_per_rank * self.row_numel
-        start = min(self.rank * self.rows_per_rank, source.shape[0])
-        end = min(start + self.rows_per_rank, source.shape[0])
-        self.row_range = (start, end)  # this rank's rows of the unsharded tensor
+        start = min(self.rank * self.rows_per_rank, size)
+        end = min(start + self.rows_per_rank, size)
+        self.row_range = (start, end)  # this rank's rows (slices of shard_dim) of the unsharded tensor
         self.local_rows = end - start
         self.local_numel = self.local_rows * self.row_numel
-        self.local_shape = torch.Size((self.local_rows, *source.shape[1:]))
+        local_shape = list(source.shape)
+        local_shape[shard_dim] = self.local_rows
+        self.local_shape = torch.Size(local_shape)
+        # the same with the shard dim first: how collectives lay the parameter out
+        others = tuple(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
+        self.comm_shape = torch.Size((size, *others))
+        self.comm_local_shape = torch.Size((self.local_rows, *others))
 
         with torch.no_grad():
-            local = source.detach()[start:end].to(layout.storage_device)
+            local = source.detach().narrow(shard_dim, start, end - start).to(layout.storage_device)
             local = local.clone(memory_format=torch.contiguous_format)
             if layout.pin_memory:
                 local = local.pin_memory()
@@ -212,6 +225,24 @@ class ShardedParam:
         if self._padding.numel():
             pieces.append(self._padding.view(torch.uint8))
         return pieces
+
+    # ----- communication layout -----------------------------------------------------------
+    # Collectives see every parameter as split on dim 0; ``Shard(d)`` parameters
+    # (``runtime/placement.py``) override these to move ``d`` to the front and back.
+    def to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (laid out like the parameter or its shard) with the shard dim first."""
+        return tensor
+
+    def from_comm(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``to_comm``: a view laid out like the parameter again."""
+        return tensor
+
+    def finish_copy_out(self) -> None:
+        """Called after the group's copy-out; the gather target already is the parameter here."""
+
+    def gathered_rows(self) -> torch.Tensor:
+        """The gathered ``(world, padded bytes)`` rows while unsharded (what a post-forward slice keeps)."""
+        return self.alloc_unsharded()
 
     # ----- unsharded side ---------------------------------------------------------------
     def _create_unsharded(self) -> None:
