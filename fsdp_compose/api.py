@@ -17,7 +17,7 @@ from .mesh import default_mesh, mesh_device, post_forward_group
 from .module import FSDPModule, become_fsdp_module
 from .runtime.params import ParamPlace
 from .runtime.placement import make_sharded_param, resolve_shard_dim
-from .spmd_mesh import DataParallelMeshDims, data_parallel_mesh, spmd_shard_layout
+from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
 from .whole_model.state_dict_hooks import register_state_dict_hooks
@@ -197,7 +197,10 @@ def fully_shard(
         if spmd_mesh is not None:
             spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
         layout = resolve_layout(param.dtype, device, mp_policy, offload_policy)
-        sharded.append(make_sharded_param(shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd))
+        sp = make_sharded_param(shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd)
+        if spmd_mesh is not None:
+            sp.dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
+        sharded.append(sp)
 
     # Nothing above changed the model; from here on, commit.
     group = ParamGroup(sharded, mesh, device, label=class_name(module))

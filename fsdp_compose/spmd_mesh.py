@@ -92,6 +92,11 @@ def data_parallel_mesh(module: str, mesh: DeviceMesh, dims: DataParallelMeshDims
     return DeviceMesh._concatenate([_submesh(mesh, replicate), shard_mesh])
 
 
+def data_parallel_dims(mesh: DeviceMesh, dims: DataParallelMeshDims) -> frozenset[int]:
+    """Indices of the named data-parallel dims in the full mesh."""
+    return frozenset(mesh.mesh_dim_names.index(n) for n in dims.shard_names + dims.replicate_names)
+
+
 def spmd_shard_layout(
     module: str, mesh: DeviceMesh, dims: DataParallelMeshDims, dp_mesh: DeviceMesh, param, fqn: str, dim: int
 ) -> tuple[DeviceMesh, list[Placement]]:

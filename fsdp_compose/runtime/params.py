@@ -99,6 +99,19 @@ def spmd_layout(
     return root, placements
 
 
+def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor:
+    """The local gradient laid out like the parameter (``spec``) on every mesh dim but data-parallel ones.
+
+    DTensor may return a gradient in another layout than its parameter's (a replicated gradient
+    of a TP-sharded weight); the reduce-scatter needs the parameter's local layout. On the data-
+    parallel dims of a full SPMD mesh the gradient is left as it is: the reduction handles those.
+    """
+    if tuple(grad.placements) == tuple(spec.placements):
+        return grad._local_tensor
+    want = [have if dim in dp_dims else target for dim, (have, target) in enumerate(zip(grad.placements, spec.placements))]
+    return grad.redistribute(grad.device_mesh, want)._local_tensor
+
+
 class ShardedParam:
     """Rows ``[rank * rows_per_rank, ...)`` of one parameter, and the means to rebuild it.
 
@@ -128,6 +141,8 @@ class ShardedParam:
         self.layout = layout
         # tensor parallel: the TP-local tensor is what gets sharded and gathered here
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        # mesh dims of ``tp_spec`` that are data parallel (``dp_mesh_dims``): gradients keep their layout there
+        self.dp_dims: frozenset[int] = frozenset()
         source = param._local_tensor if self.tp_spec is not None else param
         if spmd is None:
             spmd = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn, shard_dim)
@@ -282,7 +297,7 @@ class ShardedParam:
         """The gradient autograd accumulated on the unsharded parameter (TP-local under TP)."""
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
         if isinstance(grad, DTensor):
-            return grad._local_tensor
+            return grad_in_layout(grad, self.tp_spec, self.dp_dims)
         return grad
 
     def clear_unsharded_grad(self) -> None:
