@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_compose import (
@@ -113,11 +114,14 @@ def _layout(model: MoELM) -> dict:
 
 
 def _parity(config: str) -> dict:
-    kwargs = {
-        "plain": {},
-        "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
-        "reshard_to_2": {"reshard_after_forward": 2},
-    }[config]
+    if config == "hsdp":
+        kwargs = {"mesh": init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))}
+    else:
+        kwargs = {
+            "plain": {},
+            "offload": {"offload_policy": CPUOffloadPolicy(pin_memory=False)},
+            "reshard_to_2": {"reshard_after_forward": 2},
+        }[config]
     result = train_against_reference(MoELM, lambda m: shard_moe(m, **kwargs))
     torch.manual_seed(0)
     model = MoELM()
@@ -147,9 +151,10 @@ def test_moe_expert_dims_match_unsharded_at_2_3_4_ranks():
         assert all(r["layout"]["w_in_local"] == r["layout"]["w_in_chunk"] for r in results)
 
 
-def test_moe_expert_dims_with_offload_and_post_forward_slices():
+def test_moe_expert_dims_with_offload_post_forward_slices_and_hsdp():
     assert_parity(run_on_ranks(3, _parity, "offload"))
     assert_parity(run_on_ranks(4, _parity, "reshard_to_2"))
+    assert_parity(run_on_ranks(4, _parity, "hsdp"))
 
 
 def _mixed_precision_like_dim0() -> float:

@@ -54,6 +54,7 @@ def spmd_parallelize(model: nn.Module, mesh) -> None:
 CASES = {
     # name: (mesh shape, dim names, DataParallelMeshDims, data-parallel dims)
     "fsdp_tp": ((2, 2), ("dp_shard", "tp"), DataParallelMeshDims(shard="dp_shard")),
+    "fsdp_tp_dim1": ((2, 2), ("dp_shard", "tp"), DataParallelMeshDims(shard="dp_shard")),
     "hsdp": ((2, 2, 1), ("dp_replicate", "dp_shard", "tp"), DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")),
     "flattened": ((2, 2, 1), ("dp_replicate", "dp_shard", "tp"), DataParallelMeshDims(shard=("dp_replicate", "dp_shard"))),
 }
@@ -73,13 +74,17 @@ def _parity(case: str) -> dict:
     reference = TinyLM(n_blocks=2)
     model = copy.deepcopy(reference)
     spmd_parallelize(model, mesh)
+    # "fsdp_tp_dim1": FSDP splits dim 1 of every matrix, under TP's dim-0 or dim-1 split
+    placement_fn = (lambda p: Shard(1) if p.dim() == 2 else None) if case == "fsdp_tp_dim1" else None
     for block in model.blocks:
-        fully_shard(block, mesh=mesh, dp_mesh_dims=dims)
-    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
-    fc1 = model.blocks[0].fc1.weight
+        fully_shard(block, mesh=mesh, dp_mesh_dims=dims, shard_placement_fn=placement_fn)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims, shard_placement_fn=placement_fn)
+    fc1, fc2 = model.blocks[0].fc1.weight, model.blocks[0].fc2.weight
     out = {
         "fc1": (fc1.device_mesh.mesh_dim_names, [str(p) for p in fc1.placements]),
         "fc1_local": tuple(fc1.to_local().shape),
+        "fc2": [str(p) for p in fc2.placements],
+        "fc2_local": tuple(fc2.to_local().shape),
     }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
@@ -128,3 +133,13 @@ def test_flattened_shard_dims():
     _check(results)
     assert results[0]["fc1"] == (("dp_replicate_dp_shard", "tp"), ["S(0)", "S(0)"])
     assert [r["fc1_local"][0] for r in results] == [8, 8, 8, 5]
+
+
+def test_shard_dim_1_under_tensor_parallel():
+    results = run_on_ranks(4, _parity, "fsdp_tp_dim1")
+    _check(results)
+    # fc1 (29, 13): TP rows, FSDP columns 7 / 6; fc2 (13, 29): TP columns 15 / 14, then FSDP (strided)
+    assert results[0]["fc1"] == (("dp_shard", "tp"), ["S(1)", "S(0)"])
+    assert [r["fc1_local"] for r in results] == [(15, 7), (14, 7), (15, 6), (14, 6)]
+    assert results[0]["fc2"] == ["_S(1, 2)", "S(1)"]
+    assert [r["fc2_local"] for r in results] == [(13, 8), (13, 7), (13, 7), (13, 7)]
