@@ -122,7 +122,7 @@ def fully_shard(
     ignored_params: Iterable[nn.Parameter] | None = None,
     dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module:
-    """Shard ``module``'s parameters (on dim 0, or as ``shard_placement_fn`` says) across ``mesh``; gather them only when used.
+    """Shard ``module``'s parameters across ``mesh`` (dim 0 unless told) and gather them only when used.
 
     Call it on blocks first, then on the root. The module keeps its class (an ``FSDPModule``
     is mixed in), its place in the model and its parameter names; its parameters become

@@ -72,7 +72,9 @@ def data_parallel_mesh(module: str, mesh: DeviceMesh, dims: DataParallelMeshDims
     prefix = f"fully_shard({module}, dp_mesh_dims={dims!r})"
     mesh_names = mesh.mesh_dim_names
     if mesh_names is None:
-        raise ValueError(f"{prefix}: the mesh has no dim names; create it with init_device_mesh(..., mesh_dim_names=...)")
+        raise ValueError(
+            f"{prefix}: the mesh has no dim names; create it with init_device_mesh(..., mesh_dim_names=...)"
+        )
     shard, replicate = dims.shard_names, dims.replicate_names
     for name in shard + replicate:
         if name not in mesh_names:

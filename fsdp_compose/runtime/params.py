@@ -1,4 +1,4 @@
-"""One managed parameter: its dim-0 shard as a DTensor and its reusable unsharded tensor.
+"""One managed parameter: its shard as a DTensor and its reusable unsharded tensor.
 
 The sharded ``nn.Parameter`` (a DTensor with ``Shard(0)``) is what the optimizer, ``state_dict``
 and ``clip_grad_norm_`` see. The unsharded ``nn.Parameter`` is one persistent object whose
@@ -108,15 +108,17 @@ def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor
     """
     if tuple(grad.placements) == tuple(spec.placements):
         return grad._local_tensor
-    want = [have if dim in dp_dims else target for dim, (have, target) in enumerate(zip(grad.placements, spec.placements))]
+    pairs = enumerate(zip(grad.placements, spec.placements))
+    want = [have if dim in dp_dims else target for dim, (have, target) in pairs]
     return grad.redistribute(grad.device_mesh, want)._local_tensor
 
 
 class ShardedParam:
     """Rows ``[rank * rows_per_rank, ...)`` of one parameter, and the means to rebuild it.
 
-    Shards follow ``torch.chunk`` on dim 0 (as DTensor's ``Shard(0)`` does): every rank holds
-    ``ceil(dim0 / world)`` rows except at the tail, where shards shrink, possibly to zero rows.
+    Rows are slices of ``shard_dim`` (0 unless ``shard_placement_fn`` chose another; see
+    ``placement.py``). Shards follow ``torch.chunk`` (as DTensor's ``Shard`` does): every rank holds
+    ``ceil(rows / world)`` rows except at the tail, where shards shrink, possibly to zero rows.
     Collectives use shards padded to ``rows_per_rank`` rows so every rank sends the same size.
     """
 
