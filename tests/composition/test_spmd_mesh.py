@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
-from fsdp_compose import DataParallelMeshDims, fully_shard
+from fsdp_compose import DataParallelMeshDims, full_state_dict, fully_shard, load_checkpoint, save_checkpoint
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_grad_diff, max_param_diff
 
@@ -60,7 +60,7 @@ CASES = {
 }
 
 
-def _parity(case: str) -> dict:
+def _parity(case: str, path: str | None = None) -> dict:
     warnings.simplefilter("ignore")
     shape, names, dims = CASES[case]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -70,15 +70,20 @@ def _parity(case: str) -> dict:
     dp_rank = 0
     for n in dp_names:
         dp_rank = dp_rank * mesh.size(names.index(n)) + coords[n]
-    torch.manual_seed(0)
-    reference = TinyLM(n_blocks=2)
-    model = copy.deepcopy(reference)
-    spmd_parallelize(model, mesh)
     # "fsdp_tp_dim1": FSDP splits dim 1 of every matrix, under TP's dim-0 or dim-1 split
     placement_fn = (lambda p: Shard(1) if p.dim() == 2 else None) if case == "fsdp_tp_dim1" else None
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, dp_mesh_dims=dims, shard_placement_fn=placement_fn)
-    fully_shard(model, mesh=mesh, dp_mesh_dims=dims, shard_placement_fn=placement_fn)
+
+    def sharded_copy(reference: nn.Module) -> nn.Module:
+        model = copy.deepcopy(reference)
+        spmd_parallelize(model, mesh)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, dp_mesh_dims=dims, shard_placement_fn=placement_fn)
+        fully_shard(model, mesh=mesh, dp_mesh_dims=dims, shard_placement_fn=placement_fn)
+        return model
+
+    torch.manual_seed(0)
+    reference = TinyLM(n_blocks=2)
+    model = sharded_copy(reference)
     fc1, fc2 = model.blocks[0].fc1.weight, model.blocks[0].fc2.weight
     out = {
         "fc1": (fc1.device_mesh.mesh_dim_names, [str(p) for p in fc1.placements]),
@@ -105,12 +110,25 @@ def _parity(case: str) -> dict:
     out["loss_diff"] = max(abs(a - b) for a, b in losses)
     out["grad_diff"] = max(grad_diffs)
     out["param_diff"] = max_param_diff(model, reference)
+    full = full_state_dict(model, rank0_only=False)
+    out["full_state_dict_diff"] = max((full[k] - v).abs().max().item() for k, v in reference.state_dict().items())
+    if path is not None:  # DCP round trip into a model with other values
+        save_checkpoint(path, model, opt, step=3)
+        torch.manual_seed(1)
+        fresh = sharded_copy(TinyLM(n_blocks=2))
+        load_checkpoint(path, fresh, torch.optim.AdamW(fresh.parameters(), lr=1e-2))
+        saved = dict(model.named_parameters())
+        out["checkpoint_diff"] = max(
+            (p.detach().full_tensor() - saved[n].detach().full_tensor()).abs().max().item()
+            for n, p in fresh.named_parameters()
+        )
     return out
 
 
 def _check(results: list[dict]) -> None:
     for r in results:
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
+        assert r["full_state_dict_diff"] <= 1e-5, r
 
 
 def test_fsdp_over_dp_shard_of_a_dp_tp_mesh():
@@ -128,16 +146,18 @@ def test_hsdp_over_dp_replicate_and_dp_shard():
     assert [r["fc1_local"][0] for r in results] == [15, 14, 15, 14]
 
 
-def test_flattened_shard_dims():
-    results = run_on_ranks(4, _parity, "flattened")
+def test_flattened_shard_dims(tmp_path):
+    results = run_on_ranks(4, _parity, "flattened", str(tmp_path / "ckpt"))
     _check(results)
+    assert all(r["checkpoint_diff"] == 0.0 for r in results)
     assert results[0]["fc1"] == (("dp_replicate_dp_shard", "tp"), ["S(0)", "S(0)"])
     assert [r["fc1_local"][0] for r in results] == [8, 8, 8, 5]
 
 
-def test_shard_dim_1_under_tensor_parallel():
-    results = run_on_ranks(4, _parity, "fsdp_tp_dim1")
+def test_shard_dim_1_under_tensor_parallel(tmp_path):
+    results = run_on_ranks(4, _parity, "fsdp_tp_dim1", str(tmp_path / "ckpt"))
     _check(results)
+    assert all(r["checkpoint_diff"] == 0.0 for r in results)
     # fc1 (29, 13): TP rows, FSDP columns 7 / 6; fc2 (13, 29): TP columns 15 / 14, then FSDP (strided)
     assert results[0]["fc1"] == (("dp_shard", "tp"), ["S(1)", "S(0)"])
     assert [r["fc1_local"] for r in results] == [(15, 7), (14, 7), (15, 6), (14, 6)]
