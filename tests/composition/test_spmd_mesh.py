@@ -11,7 +11,14 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 
-from fsdp_compose import DataParallelMeshDims, full_state_dict, fully_shard, load_checkpoint, save_checkpoint
+from fsdp_compose import (
+    DataParallelMeshDims,
+    clip_grad_norm_,
+    full_state_dict,
+    fully_shard,
+    load_checkpoint,
+    save_checkpoint,
+)
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_grad_diff, max_param_diff
 
@@ -107,6 +114,14 @@ def _parity(case: str, path: str | None = None) -> dict:
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
+    batch = global_batch(9, dp_size)
+    lm_loss(reference, batch).backward()
+    lm_loss(model, local_slice(batch, dp_rank, dp_size)).backward()
+    ours = clip_grad_norm_(model, max_norm=0.05)
+    theirs = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm=0.05)
+    out["clip"] = (abs(ours.item() - theirs.item()) / theirs.item(), max_grad_diff(model, reference))
+    opt.zero_grad()
+    ref_opt.zero_grad()
     out["loss_diff"] = max(abs(a - b) for a, b in losses)
     out["grad_diff"] = max(grad_diffs)
     out["param_diff"] = max_param_diff(model, reference)
@@ -129,6 +144,7 @@ def _check(results: list[dict]) -> None:
     for r in results:
         assert r["loss_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
         assert r["full_state_dict_diff"] <= 1e-5, r
+        assert r["clip"][0] <= 1e-6 and r["clip"][1] <= 1e-6, r
 
 
 def test_fsdp_over_dp_shard_of_a_dp_tp_mesh():
