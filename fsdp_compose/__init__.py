@@ -7,6 +7,7 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 
 from .api import fully_shard
 from .comm import AllGather, Comm, ReduceScatter
+from .spmd_mesh import DataParallelMeshDims
 from .whole_model.checkpoint import exists as checkpoint_exists
 from .whole_model.checkpoint import load_checkpoint, save_checkpoint
 from .whole_model.checkpoint_check import CheckpointError
@@ -23,6 +24,7 @@ from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, Wr
 __all__ = [
     "fully_shard",
     "FSDPModule",
+    "DataParallelMeshDims",
     "UnshardHandle",
     "share_comm_ctx",
     "Comm",

@@ -8,13 +8,16 @@ from functools import partial
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
 
 from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward, pre_forward
 from .mesh import default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
-from .runtime.params import ParamPlace, ShardedParam
+from .runtime.params import ParamPlace
+from .runtime.placement import make_sharded_param, resolve_shard_dim
+from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
 from .whole_model.state_dict_hooks import register_state_dict_hooks
@@ -126,12 +129,13 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
+    dp_mesh_dims: DataParallelMeshDims | None = None,
 ) -> nn.Module:
-    """Shard ``module``'s parameters on dim 0 across ``mesh`` and gather them only when used.
+    """Shard ``module``'s parameters across ``mesh`` (dim 0 unless told) and gather them only when used.
 
     Call it on blocks first, then on the root. The module keeps its class (an ``FSDPModule``
     is mixed in), its place in the model and its parameter names; its parameters become
@@ -156,9 +160,17 @@ def fully_shard(
             the parameters' own dtypes.
         offload_policy: ``CPUOffloadPolicy()`` keeps shards and gradients on CPU (the
             optimizer steps there) and moves them to the compute device for the all-gather.
-        shard_placement_fn: accepted by name for compatibility; only ``None`` (dim-0 sharding)
-            is supported, anything else raises ``NotImplementedError``.
+        shard_placement_fn: called with each managed parameter; returns ``Shard(d)`` to shard
+            it on dim ``d`` (e.g. the expert dim of an MoE weight) or ``None`` for ``Shard(0)``.
+            Any size works on any dim: ranks hold ``torch.chunk`` pieces (torch's FSDP2
+            requires dims after 0 to divide evenly). The module still sees the full,
+            contiguous parameter; its shard is a DTensor with that ``Shard(d)``.
         ignored_params: parameters left unsharded, without hooks.
+        dp_mesh_dims: ``mesh`` is a full SPMD mesh (e.g. dims ``("dp_replicate", "dp_shard",
+            "tp")``) and every parameter is already a DTensor on it with ``Replicate()`` on the
+            data-parallel dims; ``DataParallelMeshDims(shard=..., replicate=...)`` names them
+            (a tuple of names is flattened into one dim). Gradients are reduce-scattered over
+            the shard dims and all-reduced over the replicate dims.
 
     Returns:
         ``module`` itself (or the list), now also an ``FSDPModule``.
@@ -170,13 +182,15 @@ def fully_shard(
         _check_module(m)
     module_list, module = module, modules[0]
     mesh = mesh if mesh is not None else default_mesh()
-    _check_unsupported(
-        module,
-        mesh,
-        {
-            "shard_placement_fn": (shard_placement_fn, None),
-        },
-    )
+    spmd_mesh = None
+    if dp_mesh_dims is not None:
+        if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+            raise NotImplementedError(
+                f"fully_shard({class_name(module)}, reshard_after_forward={reshard_after_forward!r}, "
+                "dp_mesh_dims=...): an int is not supported with dp_mesh_dims; pass True or False"
+            )
+        spmd_mesh, mesh = mesh, data_parallel_mesh(class_name(module), mesh, dp_mesh_dims)
+    _check_unsupported(module, mesh, {})
     validate_policies(class_name(module), mesh.device_type, mp_policy, offload_policy)
     post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
     if post_forward_ranks is not None:
@@ -187,12 +201,18 @@ def fully_shard(
     places, names = _managed_params(modules, ignored)
     param_device = _check_one_device(module, names)
     device = param_device if param_device is not None and param_device.type == "meta" else mesh_device(mesh)
-    sharded = [
-        ShardedParam(
-            param, places[param], names[param], mesh, resolve_layout(param.dtype, device, mp_policy, offload_policy)
-        )
-        for param in places
-    ]
+    sharded = []
+    for param in places:
+        fqn = names[param]
+        shard_dim = resolve_shard_dim(shard_placement_fn, param, fqn, class_name(module))
+        spmd = None
+        if spmd_mesh is not None:
+            spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
+        layout = resolve_layout(param.dtype, device, mp_policy, offload_policy)
+        sp = make_sharded_param(shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd)
+        if spmd_mesh is not None:
+            sp.dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
+        sharded.append(sp)
 
     # Nothing above changed the model; from here on, commit.
     group = ParamGroup(sharded, mesh, device, label=class_name(module))
@@ -232,4 +252,4 @@ def _state_of_sharded(module: nn.Module) -> GroupState | None:
 
 fully_shard.state = _state_of_sharded  # type: ignore[attr-defined]
 
-__all__ = ["fully_shard", "FSDPModule"]
+__all__ = ["fully_shard", "FSDPModule", "DataParallelMeshDims"]

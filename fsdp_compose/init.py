@@ -67,7 +67,7 @@ def init_sharded_parameters(model: nn.Module, init_fn: Callable[[nn.Module], Non
             raise
         for name, sp, full in swapped:
             start, end = sp.row_range
-            sp.local_tensor().copy_(full.detach()[start:end])
+            sp.local_tensor().copy_(full.detach().narrow(sp.shard_dim, start, end - start))
             module._parameters[name] = sp.sharded_param
 
 

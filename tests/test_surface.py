@@ -10,13 +10,6 @@ import torch.distributed.fsdp._fully_shard as torch_fsdp2
 
 import fsdp_compose
 
-# Being built on another branch (shard placement / SPMD meshes). The coordinator empties this
-# at merge; the test fails if a name listed here has already arrived, so it cannot go stale.
-IN_PROGRESS_ELSEWHERE = {
-    "names": {"DataParallelMeshDims"},
-    "fully_shard keywords": {"dp_mesh_dims"},
-}
-
 # Ours only; each has a row in docs/migrating-from-fsdp2.md ("beyond FSDP2").
 BEYOND_FSDP2 = {
     "apply_fully_shard", "ShardPlan", "WrapPolicy", "ModuleWrapPolicy", "CustomPolicy", "SizeBasedPolicy",
@@ -41,18 +34,15 @@ def _shape(fn) -> list[tuple]:
     return shape
 
 
-def _differences(ours: set[str], theirs: set[str], in_progress: set[str] = frozenset()) -> list[str]:
-    lines = [f"missing in fsdp_compose: {name}" for name in sorted(theirs - ours - in_progress)]
-    lines += [f"listed as in progress but now present, remove from IN_PROGRESS_ELSEWHERE: {name}"
-              for name in sorted(in_progress & ours)]
-    return lines
+def _differences(ours: set[str], theirs: set[str]) -> list[str]:
+    return [f"missing in fsdp_compose: {name}" for name in sorted(theirs - ours)]
 
 
 def test_every_fsdp2_name_is_exported():
     theirs = set(torch_fsdp2.__all__)
     assert theirs <= set(torch_fsdp.__all__)
     ours = set(fsdp_compose.__all__)
-    problems = _differences(ours, theirs, IN_PROGRESS_ELSEWHERE["names"])
+    problems = _differences(ours, theirs)
     extra = ours - theirs - BEYOND_FSDP2
     problems += [f"exported but neither FSDP2 nor in BEYOND_FSDP2 (add a docs row): {name}" for name in sorted(extra)]
     problems += [f"BEYOND_FSDP2 lists a name no longer exported: {n}" for n in sorted(BEYOND_FSDP2 - ours)]
@@ -72,7 +62,7 @@ def test_fsdp_module_methods_match():
 def test_fully_shard_keywords_match():
     mine = {name: shape for name, *shape in _shape(fsdp_compose.fully_shard)}
     torchs = {name: shape for name, *shape in _shape(torch_fsdp.fully_shard)}
-    problems = _differences(set(mine), set(torchs), IN_PROGRESS_ELSEWHERE["fully_shard keywords"])
+    problems = _differences(set(mine), set(torchs))
     problems += [f"fully_shard keyword not in FSDP2: {n}" for n in sorted(set(mine) - set(torchs))]
     for name in sorted(set(mine) & set(torchs)):
         if mine[name] != torchs[name]:

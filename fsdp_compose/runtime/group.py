@@ -122,6 +122,8 @@ class ParamGroup:
         with torch.no_grad():
             targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
             copy_out(gathered, layout, targets)
+            for p in self.params:
+                p.finish_copy_out()
         for p in self.params:
             p.use(unsharded=True)
         self.is_unsharded = True
@@ -147,7 +149,7 @@ class ParamGroup:
             return
         if after_forward and self.post_forward is not None:
             with torch.no_grad():
-                self._kept = self.post_forward.keep(self.header, [p.alloc_unsharded() for p in self.params])
+                self._kept = self.post_forward.keep(self.header, [p.gathered_rows() for p in self.params])
         else:
             self._kept = None
         for p in self.params:

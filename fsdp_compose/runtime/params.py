@@ -1,4 +1,4 @@
-"""One managed parameter: its dim-0 shard as a DTensor and its reusable unsharded tensor.
+"""One managed parameter: its shard as a DTensor and its reusable unsharded tensor.
 
 The sharded ``nn.Parameter`` (a DTensor with ``Shard(0)``) is what the optimizer, ``state_dict``
 and ``clip_grad_norm_`` see. The unsharded ``nn.Parameter`` is one persistent object whose
@@ -69,15 +69,17 @@ def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor(local, param._spec, requires_grad=False)
 
 
-def spmd_layout(dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str) -> tuple[DeviceMesh, list[Placement]]:
+def spmd_layout(
+    dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str, dim: int = 0
+) -> tuple[DeviceMesh, list[Placement]]:
     """The mesh and placements of a shard: data-parallel alone, or data x tensor parallel.
 
-    A tensor-parallel parameter's local tensor is sharded again on dim 0 over ``dp_mesh``; the
-    result is described on the mesh both come from. When TP also shards dim 0 and its mesh dim
-    comes after dp's, rows are chunked by TP first, which ``_StridedShard`` expresses.
+    A tensor-parallel parameter's local tensor is sharded again on ``dim`` over ``dp_mesh``; the
+    result is described on the mesh both come from. When TP also shards ``dim`` and its mesh dim
+    comes after dp's, TP chunks first, which ``_StridedShard`` expresses.
     """
     if tp_param is None:
-        return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(0)]
+        return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(dim)]
     tp_mesh, (tp_placement,) = tp_param.device_mesh, tp_param.placements
     root = dp_mesh._get_root_mesh()
     if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root.ndim != 2:
@@ -92,16 +94,31 @@ def spmd_layout(dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str) -> tupl
     tp_dim = root.mesh_dim_names.index(tp_mesh.mesh_dim_names[0])
     placements: list[Placement] = [Replicate(), Replicate()]
     placements[tp_dim] = tp_placement
-    strided = tp_placement.is_shard(0) and tp_dim > dp_dim
-    placements[dp_dim] = _StridedShard(0, split_factor=tp_mesh.size()) if strided else Shard(0)
+    strided = tp_placement.is_shard(dim) and tp_dim > dp_dim
+    placements[dp_dim] = _StridedShard(dim, split_factor=tp_mesh.size()) if strided else Shard(dim)
     return root, placements
+
+
+def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor:
+    """The local gradient laid out like the parameter (``spec``) on every mesh dim but data-parallel ones.
+
+    DTensor may return a gradient in another layout than its parameter's (a replicated gradient
+    of a TP-sharded weight); the reduce-scatter needs the parameter's local layout. On the data-
+    parallel dims of a full SPMD mesh the gradient is left as it is: the reduction handles those.
+    """
+    if tuple(grad.placements) == tuple(spec.placements):
+        return grad._local_tensor
+    pairs = enumerate(zip(grad.placements, spec.placements))
+    want = [have if dim in dp_dims else target for dim, (have, target) in pairs]
+    return grad.redistribute(grad.device_mesh, want)._local_tensor
 
 
 class ShardedParam:
     """Rows ``[rank * rows_per_rank, ...)`` of one parameter, and the means to rebuild it.
 
-    Shards follow ``torch.chunk`` on dim 0 (as DTensor's ``Shard(0)`` does): every rank holds
-    ``ceil(dim0 / world)`` rows except at the tail, where shards shrink, possibly to zero rows.
+    Rows are slices of ``shard_dim`` (0 unless ``shard_placement_fn`` chose another; see
+    ``placement.py``). Shards follow ``torch.chunk`` (as DTensor's ``Shard`` does): every rank holds
+    ``ceil(rows / world)`` rows except at the tail, where shards shrink, possibly to zero rows.
     Collectives use shards padded to ``rows_per_rank`` rows so every rank sends the same size.
     """
 
@@ -112,6 +129,8 @@ class ShardedParam:
         fqn: str,
         mesh: DeviceMesh,
         layout: ParamLayout,
+        shard_dim: int = 0,
+        spmd: tuple[DeviceMesh, list[Placement]] | None = None,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -124,28 +143,39 @@ class ShardedParam:
         self.layout = layout
         # tensor parallel: the TP-local tensor is what gets sharded and gathered here
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
+        # mesh dims of ``tp_spec`` that are data parallel (``dp_mesh_dims``): gradients keep their layout there
+        self.dp_dims: frozenset[int] = frozenset()
         source = param._local_tensor if self.tp_spec is not None else param
-        spmd_mesh, placements = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn)
+        if spmd is None:
+            spmd = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn, shard_dim)
+        spmd_mesh, placements = spmd
         # the last mesh dim shards; a leading (HSDP) dim replicates
-        shard_dim = mesh.ndim - 1
-        self.world_size = mesh.size(shard_dim)
-        self.rank = mesh.get_local_rank(shard_dim)
+        self.world_size = mesh.size(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)
+        self.shard_dim = shard_dim  # the tensor dim split across ranks ("rows" below are slices of it)
         self.shape = param.shape  # global shape
         self.unsharded_shape = source.shape  # what the module sees: global, or TP-local under TP
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
-        self.row_numel = math.prod(source.shape[1:])
-        self.rows_per_rank = math.ceil(source.shape[0] / self.world_size)
+        size = source.shape[shard_dim]
+        self.row_numel = math.prod(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
+        self.rows_per_rank = math.ceil(size / self.world_size)
         self.padded_numel = self.rows_per_rank * self.row_numel
-        start = min(self.rank * self.rows_per_rank, source.shape[0])
-        end = min(start + self.rows_per_rank, source.shape[0])
-        self.row_range = (start, end)  # this rank's rows of the unsharded tensor
+        start = min(self.rank * self.rows_per_rank, size)
+        end = min(start + self.rows_per_rank, size)
+        self.row_range = (start, end)  # this rank's rows (slices of shard_dim) of the unsharded tensor
         self.local_rows = end - start
         self.local_numel = self.local_rows * self.row_numel
-        self.local_shape = torch.Size((self.local_rows, *source.shape[1:]))
+        local_shape = list(source.shape)
+        local_shape[shard_dim] = self.local_rows
+        self.local_shape = torch.Size(local_shape)
+        # the same with the shard dim first: how collectives lay the parameter out
+        others = tuple(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
+        self.comm_shape = torch.Size((size, *others))
+        self.comm_local_shape = torch.Size((self.local_rows, *others))
 
         with torch.no_grad():
-            local = source.detach()[start:end].to(layout.storage_device)
+            local = source.detach().narrow(shard_dim, start, end - start).to(layout.storage_device)
             local = local.clone(memory_format=torch.contiguous_format)
             if layout.pin_memory:
                 local = local.pin_memory()
@@ -215,6 +245,24 @@ class ShardedParam:
             pieces.append(self._padding.view(torch.uint8))
         return pieces
 
+    # ----- communication layout -----------------------------------------------------------
+    # Collectives see every parameter as split on dim 0; ``Shard(d)`` parameters
+    # (``runtime/placement.py``) override these to move ``d`` to the front and back.
+    def to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` (laid out like the parameter or its shard) with the shard dim first."""
+        return tensor
+
+    def from_comm(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Inverse of ``to_comm``: a view laid out like the parameter again."""
+        return tensor
+
+    def finish_copy_out(self) -> None:
+        """Called after the group's copy-out; the gather target already is the parameter here."""
+
+    def gathered_rows(self) -> torch.Tensor:
+        """The gathered ``(world, padded bytes)`` rows while unsharded (what a post-forward slice keeps)."""
+        return self.alloc_unsharded()
+
     # ----- unsharded side ---------------------------------------------------------------
     def _create_unsharded(self) -> None:
         storage_owner = self._zeros(self.world_size * self.padded_numel, self.layout.compute_device)
@@ -252,7 +300,7 @@ class ShardedParam:
     def _autograd_grad(self) -> torch.Tensor | None:
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
         if isinstance(grad, DTensor):
-            return grad._local_tensor
+            return grad_in_layout(grad, self.tp_spec, self.dp_dims)
         return grad
 
     def unsharded_grad(self) -> torch.Tensor | None:

@@ -37,7 +37,7 @@ def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[
         to_all = True
     pieces, widths = [], []
     for p in params:
-        local = p.local_tensor().reshape(-1)
+        local = p.to_comm(p.local_tensor()).reshape(-1)
         pad = p.padded_numel - p.local_numel
         pieces.append((torch.cat([local, local.new_zeros(pad)]) if pad else local).view(torch.uint8))
         widths.append(pieces[-1].numel())
@@ -60,7 +60,7 @@ def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[
     result, offset = [], 0
     for p, width in zip(params, widths):
         padded = torch.cat([row[offset : offset + width] for row in rows]).view(p.dtype)
-        unsharded = padded[: math.prod(p.unsharded_shape)].view(p.unsharded_shape)
+        unsharded = p.from_comm(padded[: math.prod(p.comm_shape)].view(p.comm_shape)).contiguous()
         if p.tp_spec is not None:
             unsharded = DTensor(unsharded, p.tp_spec, requires_grad=False).full_tensor()
         result.append(unsharded.to("cpu") if keep else None)
