@@ -17,6 +17,7 @@ from .collectives import (
     copy_out,
     reduce_scatter_rows,
 )
+from ..observe.labels import labelled
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
 
@@ -104,13 +105,17 @@ class ParamGroup:
             if self._kept is not None:
                 kept, self._kept = self._kept, None
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
-                work, gathered = all_gather_flat([kept], layout, group, self.stats)
+                with labelled("all_gather", self):
+                    work, gathered = all_gather_flat([kept], layout, group, self.stats)
             else:
-                pieces = [] if self.header is None else [self.header]
-                for p in self.params:
-                    pieces.extend(p.gather_pieces())
+                with labelled("copy_in", self):
+                    pieces = [] if self.header is None else [self.header]
+                    for p in self.params:
+                        pieces.extend(p.gather_pieces())
+                    flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
                 layout, rows = self.layout, self.world_size
-                work, gathered = all_gather_flat(pieces, layout, self.process_group, self.stats)
+                with labelled("all_gather", self):
+                    work, gathered = all_gather_flat([flat], layout, self.process_group, self.stats)
         self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, layout, rows))
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
@@ -118,8 +123,9 @@ class ParamGroup:
             verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
         with torch.no_grad():
-            targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
-            copy_out(gathered, layout, targets)
+            with labelled("copy_out", self):
+                targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
+                copy_out(gathered, layout, targets)
         for p in self.params:
             p.use(unsharded=True)
         self.is_unsharded = True
@@ -127,7 +133,8 @@ class ParamGroup:
     def wait_unshard(self) -> None:
         pending, self.pending_unshard = self.pending_unshard, None
         if pending is not None:
-            pending.finish()
+            with labelled("wait", self):
+                pending.finish()
 
     def unshard(self) -> None:
         self.start_unshard()
@@ -183,7 +190,8 @@ class ParamGroup:
                     p.clear_unsharded_grad()
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 pre_divide = self.world_size if dtype.itemsize < 4 else 1
-                work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats, pre_divide)
+                with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
+                    work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats, pre_divide)
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce)
                 self.pending_reduces.append(PendingCollective(work, finish))
 
@@ -208,7 +216,8 @@ class ParamGroup:
             if not all_reduce:
                 self._partial[reduced.dtype] = reduced
                 return
-            all_reduce_sum(reduced, self.replicate_group, self.stats)
+            with labelled("all_reduce", self):
+                all_reduce_sum(reduced, self.replicate_group, self.stats)
         received = reduced[-len(params):].tolist()
         if self.dp_size != pre_divided:
             reduced.div_(self.dp_size // pre_divided)
@@ -221,4 +230,5 @@ class ParamGroup:
     def wait_reduces(self) -> None:
         pending, self.pending_reduces = self.pending_reduces, []
         for collective in pending:
-            collective.finish()
+            with labelled("wait", self):
+                collective.finish()
