@@ -188,8 +188,10 @@ def replay(
         if size.reduce_tables:
             where = f"reduce-scatter {names[s]}"
             for i, (table, output) in enumerate(zip(size.reduce_tables, size.reduce_outputs)):
+                live.add(("rows", s, i), size.row_copies[i], where)
                 live.add(("table", s, i), table, where)
                 live.add(("output", s, i), output, where)
+                live.drop(("rows", s, i))
                 if not reduce_input_held:
                     live.drop(("table", s, i))
             live.drop(("grads", s))

@@ -48,6 +48,7 @@ class GroupSizes:
     kept: int  # reshard_after_forward=<int>: slice kept after forward (0 without)
     kept_gathered: int  # all-gather output when re-gathering from the slice
     grads: int  # unsharded gradients of trainable parameters
+    row_copies: list[int]  # per reduce dtype: gradients copied to be cast or padded before the table
     reduce_tables: list[int]  # one reduce-scatter input per reduce dtype
     reduce_outputs: list[int]
     sharded_grad_copies: list[int]  # per reduce dtype: bytes of the sharded grad if copied, 0 if a view
@@ -79,10 +80,17 @@ def sizes_of(state: GroupState) -> GroupSizes:
     by_dtype: dict[torch.dtype, list] = {}
     for p in trainable:
         by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
-    tables, outputs, copies = [], [], []
+    tables, outputs, copies, row_copies = [], [], [], []
     for dtype, params in by_dtype.items():
         row = (sum(p.padded_numel for p in params) + len(params)) * itemsize(dtype)
         tables.append(world * row)
+        row_copies.append(
+            sum(
+                world * p.padded_numel * itemsize(dtype)
+                for p in params
+                if p.layout.gather_dtype != dtype or p.unsharded_shape.numel() != world * p.padded_numel
+            )
+        )
         outputs.append(row)
         view = all(p.dtype == dtype and p.layout.storage_device == p.layout.compute_device for p in params)
         copies.append(0 if view else sum(p.local_numel * itemsize(p.dtype) for p in params))
@@ -93,6 +101,7 @@ def sizes_of(state: GroupState) -> GroupSizes:
         kept=kept,
         kept_gathered=kept_gathered,
         grads=sum(p.unsharded_shape.numel() * p.gather_element_size for p in group.trainable),
+        row_copies=row_copies,
         reduce_tables=tables,
         reduce_outputs=outputs,
         sharded_grad_copies=copies,

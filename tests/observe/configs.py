@@ -39,17 +39,8 @@ def build(config: str) -> tuple[nn.Module, callable]:
     """(sharded model, batch(step) -> loss) for a configuration name."""
     torch.manual_seed(0)
     ws = dist.get_world_size()
-    if config == "gpt":
-        sys.path.insert(0, EXAMPLES)
-        from gpt import GPT, GPTConfig, synthetic_batch
-        from gpt import lm_loss as gpt_loss
-
-        cfg = GPTConfig(seq_len=8)
-        model = GPT(cfg)
-        for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
-        return model, lambda step: gpt_loss(model, synthetic_batch(cfg, 1, step, dist.get_rank()))
+    if config.startswith("gpt"):
+        return build_gpt(config)
     if config == "tied_mixed_precision":
         model = TiedLM()
         shard_tied(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
@@ -84,6 +75,31 @@ def build(config: str) -> tuple[nn.Module, callable]:
     else:
         raise ValueError(config)
     return model, lambda step: lm_loss(model, tiny_batch(step))
+
+
+def build_gpt(config: str) -> tuple[nn.Module, callable]:
+    """The example GPT (short sequences, so parameters dominate memory): plain, tied + bf16, offloaded."""
+    sys.path.insert(0, EXAMPLES)
+    from gpt import GPT, GPTConfig, synthetic_batch
+    from gpt import lm_loss as gpt_loss
+
+    cfg = GPTConfig(seq_len=8)
+    model = GPT(cfg)
+    kwargs = {}
+    if config == "gpt_tied_mixed_precision":
+        model.head.weight = model.tok_emb.weight
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    elif config == "gpt_offload":  # on a CPU-only build shards already live on the CPU
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif config == "gpt_hsdp":
+        ws = dist.get_world_size()
+        kwargs["mesh"] = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    if config == "gpt_tied_mixed_precision":
+        fully_shard([model.tok_emb, model.head], **kwargs)
+    fully_shard(model, **kwargs)
+    return model, lambda step: gpt_loss(model, synthetic_batch(cfg, 1, step, dist.get_rank()))
 
 
 def counted_bytes(model: nn.Module) -> int:
