@@ -120,6 +120,17 @@ class Explanation:
         return "\n".join([self.table(), "", self.summary(), *self.notes])
 
 
+def collective_bytes(model: nn.Module) -> int:
+    """Bytes counted by every group's collectives so far (all-gather outputs, reduce-scatter
+    inputs, all-reduce tensors; the convention of ``explain``'s ``bytes_per_step``). Local, no
+    communication: the difference across a step is that step's traffic."""
+    total = 0
+    for _, state in states_in(model):
+        stats = state.group.stats
+        total += stats.all_gather_bytes + stats.reduce_scatter_bytes + stats.all_reduce_bytes
+    return total
+
+
 def fmt_bytes(n: int | None) -> str:
     if n is None:
         return "-"
