@@ -274,13 +274,6 @@ def _totals(model, states, groups, optimizer_bytes, source, result) -> Totals:
     first = states[0].group
     world, replicas = first.world_size, first.dp_size // first.world_size
     param_bytes = sum(p.shape.numel() * p.gather_element_size for s in states for p in s.group.params)
-    sent = 0.0
-    for s, g in zip(states, groups):
-        n = s.group.world_size
-        sent += (g.all_gather_bytes + g.reduce_scatter_bytes) * (n - 1) / n
-        r = s.group.dp_size // n
-        if g.all_reduces and r > 1:
-            sent += g.all_reduce_bytes * 2 * (r - 1) / r
     sharded = sum(g.sharded_bytes for g in groups)
     managed = {id(p.sharded_param) for s in states for p in s.group.params}
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -296,7 +289,7 @@ def _totals(model, states, groups, optimizer_bytes, source, result) -> Totals:
         reduce_scatters=sum(g.reduce_scatters for g in groups),
         all_reduces=sum(g.all_reduces for g in groups),
         bytes_per_step=sum(g.all_gather_bytes + g.reduce_scatter_bytes + g.all_reduce_bytes for g in groups),
-        sent_per_step=round(sent),
+        sent_per_step=sum(g.sent_bytes for g in groups),
         minimum_sent=round(3 * (world - 1) / world * param_bytes),
         sharded_param_bytes=sharded + unmanaged,
         buffer_bytes=buffers,

@@ -32,6 +32,7 @@ class GroupPlan:
     all_reduces: int
     all_reduce_bytes: int
     reshard_after_forward: bool | int
+    sent_bytes: int = 0  # what this rank sends per step (ring algorithms): (n-1)/n of each collective
     forward_prefetch: list[str] = field(default_factory=list)
     backward_prefetch: list[str] = field(default_factory=list)
     offload: bool = False
@@ -118,16 +119,25 @@ def plan_group(
     group, sizes = state.group, sizes_of(state)
     calls = len(state.modules or [state.module])
     reshards = state.reshard_after_forward and not is_root
+    world = group.world_size
     gathers = gather_bytes = 0
+    sent = 0.0
     if group.params:
         # forward: the first call gathers; later calls of a group resharded after forward gather again
         gathers, gather_bytes = 1, sizes.gathered
+        sent = sizes.gathered * (world - 1) / world
         regather = sizes.kept_gathered if sizes.kept else sizes.gathered
+        regather_ranks = group.post_forward.ranks if sizes.kept else world
         if reshards:
             gathers += calls  # calls - 1 more in forward, one in backward
             gather_bytes += calls * regather
+            sent += calls * regather * (regather_ranks - 1) / regather_ranks
+    sent += sum(sizes.reduce_tables) * (world - 1) / world
     # HSDP (a 2-D mesh, even with one replica): one all-reduce per reduce-scatter
     all_reduces = len(sizes.reduce_outputs) if group.replicate_group is not None and state.requires_all_reduce else 0
+    replicas = group.dp_size // world
+    if all_reduces:
+        sent += sum(sizes.reduce_outputs) * 2 * (replicas - 1) / replicas
     offload = any(p.layout.storage_device != p.layout.compute_device for p in group.params)
     if state.group.post_forward is not None and state.reshard_after_forward:
         reshard: bool | int = group.post_forward.ranks
@@ -146,6 +156,7 @@ def plan_group(
         all_reduces=all_reduces,
         all_reduce_bytes=sum(sizes.reduce_outputs) if all_reduces else 0,
         reshard_after_forward=reshard,
+        sent_bytes=round(sent),
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
         offload=offload,
