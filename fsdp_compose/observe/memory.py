@@ -41,8 +41,7 @@ def forward_calls(model: nn.Module, states: list[GroupState], root: GroupState |
     """Calls in definition order, and each parameter's position (its module's index)."""
     modules = list(model.modules())  # named_modules order, duplicates removed
     index = {m: i for i, m in enumerate(modules)}
-    ends, stack = {}, []
-    depth = {model: 0}
+    ends, stack = {}, []  # each module's last descendant, from the path depth
     for name, m in model.named_modules():
         d = name.count(".") + 1 if name else 0
         while stack and stack[-1][1] >= d:
@@ -50,7 +49,6 @@ def forward_calls(model: nn.Module, states: list[GroupState], root: GroupState |
         stack.append((m, d))
     for m, _ in stack:
         ends[m] = len(modules) - 1
-    del depth
     calls = []
     for state in states:
         for m in state.modules or [state.module]:

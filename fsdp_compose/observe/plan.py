@@ -48,7 +48,6 @@ class GroupSizes:
     unsharded: int
     kept: int  # reshard_after_forward=<int>: slice kept after forward (0 without)
     kept_gathered: int  # all-gather output when re-gathering from the slice
-    grads: int  # unsharded gradients of trainable parameters
     row_copies: list[int]  # per reduce dtype: gradients copied to be cast or padded before the table
     reduce_tables: list[int]  # one reduce-scatter input per reduce dtype
     reduce_outputs: list[int]
@@ -101,7 +100,6 @@ def sizes_of(state: GroupState) -> GroupSizes:
         unsharded=sum(world * p.padded_numel * p.gather_element_size for p in group.params),
         kept=kept,
         kept_gathered=kept_gathered,
-        grads=sum(p.unsharded_shape.numel() * p.gather_element_size for p in group.trainable),
         row_copies=row_copies,
         reduce_tables=tables,
         reduce_outputs=outputs,
