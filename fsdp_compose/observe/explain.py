@@ -82,7 +82,8 @@ class Explanation:
             f"(3(N-1)/N*P = {fmt_bytes(t.minimum_sent)}: every parameter gathered twice, reduced once)",
             f"predicted peak per rank {fmt_bytes(t.predicted_peak_bytes)}: parameters {fmt_bytes(t.sharded_param_bytes)}"
             f" + optimizer state {fmt_bytes(t.optimizer_bytes)} ({t.optimizer_source})"
-            f" + in flight {fmt_bytes(t.in_flight_peak_bytes)} at {t.peak_at}; activations not included",
+            f" + in flight {fmt_bytes(t.in_flight_peak_bytes)} (gathered groups, buffers, gradients) at {t.peak_at}"
+            "; activations not included",
         ]
         if t.measured_peak_bytes is not None:
             lines.append(
