@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.state import GroupState, states_in
+from ..runtime.state import GroupState, state_of, states_in
 from . import memory, plan
 from .plan import GroupPlan
 
@@ -166,44 +166,46 @@ def explain(
     if not found:
         raise ValueError(f"explain({type(model).__name__}): no fully_shard group in this module; call fully_shard first")
     states = [s for _, s in found]
+    root_of = _roots(model, states)
+    roots = set(root_of.values())
     root_state = states[0].root
-    root = root_state.root_state if root_state is not None else _root_before_init(model, states)
     prefetch_limit, reduce_limit = plan.limits(root_state)
     names_by_module = plan.module_names(model)
     names = {s: plan.group_name(s, names_by_module) for s in states}
-    if root is not None:
-        states = [root] + [s for s in states if s is not root]
-    calls, param_pos = memory.forward_calls(model, states, root)
-    order = []
+    calls, param_pos = memory.forward_calls(model, states)
+    orders: dict[GroupState, list[GroupState]] = {r: [] for r in roots}  # forward order under each root
     for c in calls:
-        if c.state not in order:
-            order.append(c.state)
-    if root_state is not None and root_state.reference_forward_order:
-        order = [s for s in root_state.reference_forward_order if s in names]
+        if c.state not in orders[root_of[c.state]]:
+            orders[root_of[c.state]].append(c.state)
+    for r in roots:
+        if r.root is not None and r.root.reference_forward_order:
+            orders[r] = [s for s in r.root.reference_forward_order if s in names]
 
     def forward_targets(s: GroupState) -> list[GroupState]:
         if s.forward_prefetch is not None:
             return s.forward_prefetch
+        order = orders[root_of[s]]
         i = order.index(s) if s in order else len(order)
         return order[i + 1 : i + 1 + prefetch_limit]
 
     def backward_targets(s: GroupState, post_forward_order: list[GroupState]) -> list[GroupState]:
         if s.backward_prefetch is not None:
             return s.backward_prefetch
-        if s not in post_forward_order:
+        order = [t for t in post_forward_order if root_of[t] is root_of[s]]
+        if s not in order:
             return []
-        i = post_forward_order.index(s)
-        return post_forward_order[max(0, i - prefetch_limit) : i][::-1]
+        i = order.index(s)
+        return order[max(0, i - prefetch_limit) : i][::-1]
 
     sizes = {s: plan.sizes_of(s) for s in states}
     held = _backend(states[0]) != "gloo"
-    result = memory.replay(calls, param_pos, sizes, names, root, forward_targets, backward_targets, reduce_limit, held)
+    result = memory.replay(calls, param_pos, sizes, names, roots, forward_targets, backward_targets, reduce_limit, held)
     post_forward_order = _post_forward_order(calls)
     groups = [
         plan.plan_group(
             s,
             names[s],
-            s is root,
+            s in roots,
             [names[t] for t in forward_targets(s)],
             [names[t] for t in backward_targets(s, post_forward_order)],
         )
@@ -224,10 +226,20 @@ def _backend(state: GroupState) -> str:
         return "unknown"
 
 
-def _root_before_init(model: nn.Module, states: list[GroupState]) -> GroupState | None:
-    """Before the first forward the root is the group of ``model`` itself, if it has one."""
-    first = states[0]
-    return first if model in (first.modules or [first.module]) else None
+def _roots(model: nn.Module, states: list[GroupState]) -> dict[GroupState, GroupState]:
+    """Each group's root: the one lazy init chose, or before it, the outermost group above it
+    (the first forward of a group with no root makes it the root of its subtree)."""
+    wanted = set(states)
+    root_of: dict[GroupState, GroupState] = {}
+    stack: list[tuple[nn.Module, GroupState | None]] = [(model, None)]
+    while stack:
+        module, above = stack.pop()
+        state = state_of(module)
+        if state in wanted:
+            above = above or state
+            root_of.setdefault(state, state.root.root_state if state.root is not None else above)
+        stack.extend((child, above) for child in reversed(list(module.children())))
+    return root_of
 
 
 def _post_forward_order(calls: list[memory.Call]) -> list[GroupState]:

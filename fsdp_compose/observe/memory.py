@@ -37,7 +37,7 @@ class Replay:
     after_backward: int  # sharded gradients left for the optimizer step
 
 
-def forward_calls(model: nn.Module, states: list[GroupState], root: GroupState | None) -> tuple[list[Call], dict]:
+def forward_calls(model: nn.Module, states: list[GroupState]) -> tuple[list[Call], dict]:
     """Calls in definition order, and each parameter's position (its module's index)."""
     modules = list(model.modules())  # named_modules order, duplicates removed
     index = {m: i for i, m in enumerate(modules)}
@@ -54,7 +54,7 @@ def forward_calls(model: nn.Module, states: list[GroupState], root: GroupState |
         for m in state.modules or [state.module]:
             if m in index:
                 calls.append(Call(state, index[m], ends[m]))
-    calls.sort(key=lambda c: (c.state is not root, c.start))
+    calls.sort(key=lambda c: c.start)
     param_pos = {}
     for state in states:
         for p in state.group.trainable:
@@ -87,7 +87,7 @@ def replay(
     param_pos: dict[int, int],
     sizes: dict[GroupState, GroupSizes],
     names: dict[GroupState, str],
-    root: GroupState | None,
+    roots: set[GroupState],
     forward_targets,
     backward_targets,
     reduce_limit: int,
@@ -144,7 +144,7 @@ def replay(
         s = call.state
         if s not in post_forward_order:
             post_forward_order.append(s)
-        if s.reshard_after_forward and s is not root:
+        if s.reshard_after_forward and s not in roots:
             reshard(s, after_forward=True)
 
     for call in calls:
@@ -213,8 +213,6 @@ def replay(
             at = grads_at.setdefault(param_pos[id(p)], [])
             if s not in at:
                 at.append(s)
-    if root is not None:
-        pre_backward(root)
     for k in range(last, -1, -1):
         for c in sorted(by_end.get(k, []), key=lambda c: c.start):
             pre_backward(c.state)

@@ -50,6 +50,10 @@ def build(config: str) -> tuple[nn.Module, callable]:
     elif config == "one_d":
         model = TinyLM()
         shard_blocks_then_root(model)
+    elif config == "blocks_only":  # no root call: every block is its own root
+        model = TinyLM()
+        for block in model.blocks:
+            fully_shard(block)
     elif config == "reshard_to_2":
         model = TinyLM()
         shard_blocks_then_root(model, reshard_after_forward=2)
