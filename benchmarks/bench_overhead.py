@@ -4,7 +4,8 @@
 
 With the fake backend every collective returns at once, so a step's time is compute on tiny
 tensors plus the library's own bookkeeping; the compute-only figure (same model, no sharding)
-is subtracted to get the overhead. The fake backend fills no data, so our order check's tags
+is subtracted to get the overhead. The last line prices the profiler labels
+(``fsdp_compose::all_gather blocks.3``...) when no profiler is active. The fake backend fills no data, so our order check's tags
 cannot be compared; ``ours`` runs the full check against a locally built tag instead, which
 costs the same work (slightly more: one extra tag build).
 """
@@ -102,7 +103,35 @@ def main() -> None:
               f"({value / args.groups * 1e6:5.1f} us/group)")
     print(f"    overhead ours/torch = {overhead['ours'] / overhead['torch']:.3f}  (target <= 0.5); "
           f"order check costs {(overhead['ours'] - overhead['ours, order check off']) * 1e3:.2f} ms/step")
+    label_cost(step(models["ours"]), models["ours"])
     dist.destroy_process_group()
+
+
+def label_cost(run_step, model) -> None:
+    """What the profiler labels cost when no profiler runs: calls per step x cost of one call."""
+    import time
+
+    import fsdp_compose.runtime.group as group_module
+    from fsdp_compose.runtime.state import states_in
+
+    original, calls = group_module.labelled, [0]
+
+    def counting(kind, group):
+        calls[0] += 1
+        return original(kind, group)
+
+    group_module.labelled = counting
+    run_step()
+    group_module.labelled = original
+    group = states_in(model)[1][1].group
+    repeats = 200_000
+    start = time.perf_counter()
+    for _ in range(repeats):
+        with original("all_gather", group):
+            pass
+    per_call = (time.perf_counter() - start) / repeats
+    print(f"    profiler labels, no profiler active: {calls[0]} per step x {per_call * 1e9:.0f} ns "
+          f"= {calls[0] * per_call * 1e6:.1f} us/step")
 
 
 if __name__ == "__main__":

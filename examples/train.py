@@ -3,9 +3,13 @@
     python examples/train.py                       # spawns 2 gloo ranks on CPU
     torchrun --nproc-per-node 4 examples/train.py  # or any launcher that sets RANK/WORLD_SIZE
     python examples/train.py --checkpoint-dir ckpt # save every --save-every steps; resume if present
+    python examples/train.py --profile trace       # also write a one-step trace (open in ui.perfetto.dev)
 
 Sharding is the ``fully_shard`` calls; code written for ``torch.distributed.fsdp.fully_shard``
 runs with the import changed. ``--checkpoint-dir`` adds fsdp_compose's atomic checkpoints.
+Rank 0 prints the plan (``fsdp_compose.explain``) and, per step, the loss (mean over ranks),
+step time and peak memory (max over ranks: RSS on CPU, allocated on GPU), tokens/s, and the
+bytes this rank's collectives moved.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -21,7 +26,57 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
-from fsdp_compose import checkpoint_exists, fully_shard, load_checkpoint, save_checkpoint  # noqa: E402
+from fsdp_compose import (  # noqa: E402
+    checkpoint_exists,
+    collective_bytes,
+    explain,
+    fully_shard,
+    load_checkpoint,
+    save_checkpoint,
+)
+
+
+# the whole process's peak on CPU (torch itself is most of it); tensors alone on an accelerator
+MEMORY_LABEL = "peak alloc" if torch.cuda.is_available() else "peak RSS"
+
+
+def reset_peak_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:  # resets VmHWM, the peak resident set
+            f.write("5")
+
+
+def peak_memory() -> float:
+    """This step's peak: allocated accelerator memory, or the process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return float(torch.cuda.max_memory_allocated())
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def figures(loss: torch.Tensor, seconds: float, memory: float) -> tuple[float, float, float]:
+    """(mean loss, max step time, max peak memory) over ranks, in one small all-gather."""
+    mine = torch.tensor([loss.item(), seconds, memory], dtype=torch.float64)
+    every = mine.new_empty(dist.get_world_size() * 3)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(every, mine)
+    every = every.view(-1, 3)
+    return every[:, 0].mean().item(), every[:, 1].max().item(), every[:, 2].max().item()
+
+
+def print_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> None:
+    params = sum(p.numel() for p in model.parameters())
+    print(f"world size {world_size}, {params:,} parameters", flush=True)
+    for line in explain(model, optimizer).summary().splitlines():
+        print(f"  {line}", flush=True)
 
 
 def train(args: argparse.Namespace) -> None:
@@ -33,24 +88,50 @@ def train(args: argparse.Namespace) -> None:
         fully_shard(block)
     fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    if rank == 0:
+        print_start(model, optimizer, world_size)
     start = 0
     if args.checkpoint_dir and checkpoint_exists(args.checkpoint_dir):  # the previous one counts too
         start, _ = load_checkpoint(args.checkpoint_dir, model, optimizer)  # any world size
         if rank == 0:
             print(f"resumed from {args.checkpoint_dir} at step {start}", flush=True)
+    profile_step = start + 1 if args.steps - start > 1 else start  # after the first: a steady-state step
+    tokens = args.batch_size * cfg.seq_len * world_size
     for step in range(start, args.steps):
+        profiler = None
+        if args.profile and step == profile_step:
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            profiler.__enter__()
+        reset_peak_memory()
+        moved = collective_bytes(model)
+        began = time.perf_counter()
         loss = lm_loss(model, synthetic_batch(cfg, args.batch_size, step, rank))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        reported = loss.detach().clone()
-        dist.all_reduce(reported)
+        seconds = time.perf_counter() - began
+        moved = collective_bytes(model) - moved
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
+            os.makedirs(args.profile, exist_ok=True)
+            trace = os.path.join(args.profile, f"trace_rank{rank}.json")
+            profiler.export_chrome_trace(trace)
+        mean_loss, step_time, memory = figures(loss.detach(), seconds, peak_memory())
         if rank == 0:
-            print(f"step {step:3d}  loss {reported.item() / world_size:.4f}", flush=True)
+            print(
+                f"step {step:3d}  loss {mean_loss:.4f}  {step_time * 1e3:6.1f} ms  {tokens / step_time:9,.0f} tok/s  "
+                f"{MEMORY_LABEL} {memory / 2**20:6.1f} MiB  moved {moved / 2**20:.1f} MiB/rank",
+                flush=True,
+            )
+            if profiler is not None:
+                print(f"wrote a one-step trace of step {step} to {args.profile}/trace_rank*.json "
+                      "(open in ui.perfetto.dev or chrome://tracing)", flush=True)
         done = step + 1
         if args.checkpoint_dir and (done % args.save_every == 0 or done == args.steps):
             save_checkpoint(args.checkpoint_dir, model, optimizer, step=done)
+            if rank == 0:
+                print(f"saved checkpoint of step {done} to {args.checkpoint_dir}", flush=True)
 
 
 def train_and_exit(args: argparse.Namespace) -> None:
@@ -88,11 +169,12 @@ def free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step (not global)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--nprocs", type=int, default=2, help="ranks to spawn when not under torchrun")
     parser.add_argument("--checkpoint-dir", default=None, help="save here every --save-every steps; resume from it")
     parser.add_argument("--save-every", type=int, default=5)
+    parser.add_argument("--profile", default=None, metavar="DIR", help="write a torch.profiler trace of one step here")
     args = parser.parse_args()
     if "RANK" in os.environ:  # torchrun or another launcher
         dist.init_process_group("gloo")

@@ -13,6 +13,7 @@ from .whole_model.checkpoint import load_checkpoint, save_checkpoint
 from .whole_model.checkpoint_check import CheckpointError
 from .whole_model.clip import clip_grad_norm_
 from .forward_methods import register_fsdp_forward_method
+from .observe.explain import Explanation, collective_bytes, explain
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .module_knobs import share_comm_ctx
@@ -50,4 +51,7 @@ __all__ = [
     "load_checkpoint",
     "checkpoint_exists",
     "CheckpointError",
+    "explain",
+    "Explanation",
+    "collective_bytes",
 ]

@@ -18,6 +18,7 @@ from .collectives import (
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
+from .labels import labelled
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
 
@@ -106,13 +107,17 @@ class ParamGroup:
             if self._kept is not None:
                 kept, self._kept = self._kept, None
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
-                work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
+                with labelled("all_gather", self):
+                    work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
             else:
-                pieces = [] if self.header is None else [self.header]
-                for p in self.params:
-                    pieces.extend(p.gather_pieces())
+                with labelled("copy_in", self):
+                    pieces = [] if self.header is None else [self.header]
+                    for p in self.params:
+                        pieces.extend(p.gather_pieces())
+                    flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
                 layout, rows = self.layout, self.world_size
-                work, gathered = all_gather_flat(pieces, layout, self.process_group, self.stats, self.comm.all_gather)
+                with labelled("all_gather", self):
+                    work, gathered = all_gather_flat([flat], layout, self.process_group, self.stats, self.comm.all_gather)
         self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, layout, rows))
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
@@ -120,10 +125,11 @@ class ParamGroup:
             verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
         with torch.no_grad():
-            targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
-            copy_out(gathered, layout, targets)
-            for p in self.params:
-                p.finish_copy_out()
+            with labelled("copy_out", self):
+                targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
+                copy_out(gathered, layout, targets)
+                for p in self.params:
+                    p.finish_copy_out()
         for p in self.params:
             p.use(unsharded=True)
         self.is_unsharded = True
@@ -131,7 +137,8 @@ class ParamGroup:
     def wait_unshard(self) -> None:
         pending, self.pending_unshard = self.pending_unshard, None
         if pending is not None:
-            pending.finish()
+            with labelled("wait", self):
+                pending.finish()
 
     def unshard(self) -> None:
         self.start_unshard()
@@ -192,8 +199,8 @@ class ParamGroup:
                 else:
                     pre_divide = self.world_size if self.comm.gradient_divide_factor is None else factor
                 group = self.comm.reduce_process_group or self.process_group
-                comm = self.comm.reduce_scatter
-                work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm)
+                with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
+                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor)
                 self.pending_reduces.append(PendingCollective(work, finish))
 
@@ -218,7 +225,8 @@ class ParamGroup:
             if not all_reduce:
                 self._partial[reduced.dtype] = reduced
                 return
-            all_reduce_sum(reduced, self.replicate_group, self.stats)
+            with labelled("all_reduce", self):
+                all_reduce_sum(reduced, self.replicate_group, self.stats)
         received = reduced[-len(params):].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
@@ -233,7 +241,8 @@ class ParamGroup:
     def wait_reduces(self) -> None:
         pending, self.pending_reduces = self.pending_reduces, []
         for collective in pending:
-            collective.finish()
+            with labelled("wait", self):
+                collective.finish()
 
     def discard_step(self) -> None:
         """After a failed forward/backward: finish in-flight collectives (every rank issued

@@ -1,0 +1,353 @@
+"""``explain(model)``: the sharding plan of a model, its traffic and its predicted memory.
+
+Reads only local state (``GroupState``, ``ParamGroup``, ``ShardedParam``), so every rank can
+call it at any time without communicating; ``sample_batch`` is the exception (it runs one
+forward/backward, which every rank must do together).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..runtime.state import GroupState, state_of, states_in
+from . import memory, plan
+from .plan import GroupPlan
+
+# optimizer state per parameter byte, for optimizers whose state is not created yet
+_STATE_FACTORS: dict[str, Callable[[dict], float]] = {
+    "AdamW": lambda g: 3.0 if g.get("amsgrad") else 2.0,
+    "Adam": lambda g: 3.0 if g.get("amsgrad") else 2.0,
+    "SGD": lambda g: 1.0 if g.get("momentum", 0) else 0.0,
+    "Adagrad": lambda g: 1.0,
+    "RMSprop": lambda g: 1.0 + (1.0 if g.get("momentum", 0) else 0.0) + (1.0 if g.get("centered") else 0.0),
+    "Adamax": lambda g: 2.0,
+    "NAdam": lambda g: 2.0,
+    "RAdam": lambda g: 2.0,
+}
+
+
+@dataclass
+class Totals:
+    """Whole-model figures for this rank."""
+
+    world_size: int  # ranks in a shard group (N)
+    replicas: int  # HSDP replicas (1 without)
+    groups: int
+    params: int
+    param_bytes: int  # P: the unsharded parameters in their all-gather dtypes
+    all_gathers: int
+    reduce_scatters: int
+    all_reduces: int
+    bytes_per_step: int  # all-gather outputs + reduce-scatter inputs + all-reduce tensors (CommStats)
+    sent_per_step: int  # bytes each rank sends (ring): (N-1)/N of each collective, 2(R-1)/R for all-reduce
+    minimum_sent: int  # 3 (N-1)/N P: two all-gathers and one reduce-scatter of the bare parameters
+    sharded_param_bytes: int
+    buffer_bytes: int
+    optimizer_bytes: int
+    optimizer_source: str  # 'measured' (state exists), or the assumed optimizer
+    in_flight_peak_bytes: int  # unsharded groups, collective buffers and gradients at the peak
+    peak_at: str  # when the peak happens
+    gradient_bytes: int  # sharded gradients after backward
+    predicted_peak_bytes: int  # sharded state + in flight, forward/backward (activations excluded)
+    step_bytes: int  # at optimizer.step: parameters, gradients, optimizer state, buffers
+    activation_bytes: int | None = None  # measured with sample_batch
+    measured_peak_bytes: int | None = None  # measured with sample_batch (storages, this rank)
+
+
+@dataclass
+class Explanation:
+    """The result of ``explain``: ``str()`` is the table, ``to_dict()`` the same as JSON-able data."""
+
+    groups: list[GroupPlan] = field(default_factory=list)
+    totals: Totals | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def summary(self) -> str:
+        """A few lines: groups, traffic, predicted memory."""
+        t = self.totals
+        lines = [
+            f"{t.groups} groups, {t.params:,} parameters ({fmt_bytes(t.param_bytes)} gathered), "
+            f"shard group {t.world_size}" + (f" x {t.replicas} replicas" if t.replicas > 1 else ""),
+            f"per step: {t.all_gathers} all-gathers, {t.reduce_scatters} reduce-scatters, {t.all_reduces} all-reduces, "
+            f"{fmt_bytes(t.bytes_per_step)} counted; each rank sends {fmt_bytes(t.sent_per_step)} "
+            f"(3(N-1)/N*P = {fmt_bytes(t.minimum_sent)}: every parameter gathered twice, reduced once)",
+            f"predicted peak per rank {fmt_bytes(t.predicted_peak_bytes)}: parameters {fmt_bytes(t.sharded_param_bytes)}"
+            f" + optimizer state {fmt_bytes(t.optimizer_bytes)} ({t.optimizer_source})"
+            f" + in flight {fmt_bytes(t.in_flight_peak_bytes)} (gathered groups, buffers, gradients) at {t.peak_at}"
+            "; activations not included",
+        ]
+        if t.measured_peak_bytes is not None:
+            lines.append(
+                f"measured with the sample batch: peak {fmt_bytes(t.measured_peak_bytes)}, "
+                f"activations {fmt_bytes(t.activation_bytes)}"
+            )
+        return "\n".join(lines)
+
+    def table(self) -> str:
+        header = ["group", "params", "dtype", "sharded", "unsharded", "all-gather/step", "reduce/step",
+                  "reshard", "prefetch fwd / bwd", "offload"]
+        rows = [header]
+        for g in self.groups:
+            reduce = f"{g.reduce_scatters} x RS {fmt_bytes(g.reduce_scatter_bytes)}" if g.reduce_scatters else "-"
+            if g.all_reduces:
+                reduce += f" + {g.all_reduces} x AR {fmt_bytes(g.all_reduce_bytes)}"
+            rows.append([
+                g.name + (" (root)" if g.is_root else ""),
+                f"{g.params:,}",
+                g.dtypes,
+                fmt_bytes(g.sharded_bytes),
+                fmt_bytes(g.unsharded_bytes),
+                f"{g.all_gathers} x {fmt_bytes(g.all_gather_bytes)}" if g.all_gathers else "-",
+                reduce,
+                str(g.reshard_after_forward) if not g.is_root else "no (root)",
+                f"{','.join(g.forward_prefetch) or '-'} / {','.join(g.backward_prefetch) or '-'}",
+                "cpu" if g.offload else "-",
+            ])
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return "\n".join([self.table(), "", self.summary(), *self.notes])
+
+
+def collective_bytes(model: nn.Module) -> int:
+    """Bytes counted by every group's collectives so far (all-gather outputs, reduce-scatter
+    inputs, all-reduce tensors; the convention of ``explain``'s ``bytes_per_step``). Local, no
+    communication: the difference across a step is that step's traffic."""
+    total = 0
+    for _, state in states_in(model):
+        stats = state.group.stats
+        total += stats.all_gather_bytes + stats.reduce_scatter_bytes + stats.all_reduce_bytes
+    return total
+
+
+def fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def explain(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    sample_batch: Any = None,
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
+) -> Explanation:
+    """Describe how ``model`` is sharded: one row per ``fully_shard`` group, then totals.
+
+    Works before or after the first step, on each rank, without communication. Per group: the
+    module(s), parameter count, dtypes, bytes of this rank's shards and of the gathered
+    parameters, all-gathers and reduce-scatters per step (bytes as ``CommStats`` counts them),
+    reshard policy, prefetch targets and offload. Totals: bytes moved per step against the
+    ``3 (N-1)/N * P`` minimum, and the predicted per-rank peak of sharded parameters, optimizer
+    state (``optimizer``'s if it has state, else assumed from its type; AdamW when ``None``)
+    and the gradients, collective buffers and unsharded groups in flight at the prefetch and
+    reduce limits. Activations are not predicted; pass ``sample_batch`` (every rank must) to
+    run one forward/backward (``loss_fn(model, batch)``, default ``model(batch).sum()``) and
+    measure them and the real peak with a storage tracker; gradients are restored afterwards.
+
+    ``str(result)`` is the table; ``result.to_dict()`` is JSON-able.
+    """
+    found = states_in(model)
+    if not found:
+        raise ValueError(f"explain({type(model).__name__}): no fully_shard group in this module; call fully_shard first")
+    states = [s for _, s in found]
+    root_of = _roots(model, states)
+    roots = set(root_of.values())
+    root_state = states[0].root
+    prefetch_limit, reduce_limit = plan.limits(root_state)
+    names_by_module = plan.module_names(model)
+    names = {s: plan.group_name(s, names_by_module) for s in states}
+    calls, param_pos = memory.forward_calls(model, states)
+    orders: dict[GroupState, list[GroupState]] = {r: [] for r in roots}  # forward order under each root
+    for c in calls:
+        if c.state not in orders[root_of[c.state]]:
+            orders[root_of[c.state]].append(c.state)
+    for r in roots:
+        if r.root is not None and r.root.reference_forward_order:
+            orders[r] = [s for s in r.root.reference_forward_order if s in names]
+
+    def forward_targets(s: GroupState) -> list[GroupState]:
+        if s.forward_prefetch is not None:
+            return s.forward_prefetch
+        order = orders[root_of[s]]
+        i = order.index(s) if s in order else len(order)
+        return order[i + 1 : i + 1 + prefetch_limit]
+
+    def backward_targets(s: GroupState, post_forward_order: list[GroupState]) -> list[GroupState]:
+        if s.backward_prefetch is not None:
+            return s.backward_prefetch
+        order = [t for t in post_forward_order if root_of[t] is root_of[s]]
+        if s not in order:
+            return []
+        i = order.index(s)
+        return order[max(0, i - prefetch_limit) : i][::-1]
+
+    sizes = {s: plan.sizes_of(s) for s in states}
+    held = _backend(states[0]) != "gloo"
+    result = memory.replay(calls, param_pos, sizes, names, roots, forward_targets, backward_targets, reduce_limit, held)
+    post_forward_order = _post_forward_order(calls)
+    groups = [
+        plan.plan_group(
+            s,
+            names[s],
+            s in roots,
+            [names[t] for t in forward_targets(s)],
+            [names[t] for t in backward_targets(s, post_forward_order)],
+        )
+        for s in states
+    ]
+    optimizer_bytes, source = _optimizer_bytes(states, optimizer)
+    totals = _totals(model, states, groups, optimizer_bytes, source, result)
+    explanation = Explanation(groups, totals, _notes(root_state))
+    if sample_batch is not None:
+        _measure(model, sample_batch, loss_fn, explanation)
+    return explanation
+
+
+def _backend(state: GroupState) -> str:
+    try:
+        return str(torch.distributed.get_backend(state.group.process_group))
+    except (RuntimeError, ValueError):
+        return "unknown"
+
+
+def _roots(model: nn.Module, states: list[GroupState]) -> dict[GroupState, GroupState]:
+    """Each group's root: the one lazy init chose, or before it, the outermost group above it
+    (the first forward of a group with no root makes it the root of its subtree)."""
+    wanted = set(states)
+    root_of: dict[GroupState, GroupState] = {}
+    stack: list[tuple[nn.Module, GroupState | None]] = [(model, None)]
+    while stack:
+        module, above = stack.pop()
+        state = state_of(module)
+        if state in wanted:
+            above = above or state
+            root_of.setdefault(state, state.root.root_state if state.root is not None else above)
+        stack.extend((child, above) for child in reversed(list(module.children())))
+    return root_of
+
+
+def _post_forward_order(calls: list[memory.Call]) -> list[GroupState]:
+    order, open_calls = [], []
+    for call in calls:
+        while open_calls and open_calls[-1].end < call.start:
+            s = open_calls.pop().state
+            if s not in order:
+                order.append(s)
+        open_calls.append(call)
+    for call in reversed(open_calls):
+        if call.state not in order:
+            order.append(call.state)
+    return order
+
+
+def _optimizer_bytes(states: list[GroupState], optimizer: torch.optim.Optimizer | None) -> tuple[int, str]:
+    params = [p for s in states for p in s.group.trainable]
+    local_bytes = {id(p.sharded_param): p.local_tensor().numel() * p.local_tensor().element_size() for p in params}
+    if optimizer is not None and optimizer.state:
+        total = 0
+        for param, param_state in optimizer.state.items():
+            if id(param) not in local_bytes:
+                continue
+            for value in param_state.values():
+                if isinstance(value, torch.Tensor):
+                    local = value._local_tensor if hasattr(value, "_local_tensor") else value
+                    total += local.numel() * local.element_size()
+        return total, "measured"
+    if optimizer is None:
+        factor, name, step_bytes = 2.0, "AdamW assumed", 4
+        return int(sum(local_bytes.values()) * factor) + step_bytes * len(params), name
+    name = type(optimizer).__name__
+    total = 0
+    for group in optimizer.param_groups:
+        factor = _STATE_FACTORS.get(name, lambda g: 2.0)(group)
+        for param in group["params"]:
+            if id(param) in local_bytes:
+                total += int(local_bytes[id(param)] * factor) + (4 if name not in ("SGD",) else 0)
+    known = name in _STATE_FACTORS
+    return total, f"{name} assumed" if known else f"{name}: 2 states per parameter assumed"
+
+
+def _totals(model, states, groups, optimizer_bytes, source, result) -> Totals:
+    first = states[0].group
+    world, replicas = first.world_size, first.dp_size // first.world_size
+    param_bytes = sum(p.shape.numel() * p.gather_element_size for s in states for p in s.group.params)
+    sharded = sum(g.sharded_bytes for g in groups)
+    managed = {id(p.sharded_param) for s in states for p in s.group.params}
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    unmanaged = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in managed)
+    static = sharded + unmanaged + buffers + optimizer_bytes
+    return Totals(
+        world_size=world,
+        replicas=replicas,
+        groups=len(groups),
+        params=sum(g.params for g in groups),
+        param_bytes=param_bytes,
+        all_gathers=sum(g.all_gathers for g in groups),
+        reduce_scatters=sum(g.reduce_scatters for g in groups),
+        all_reduces=sum(g.all_reduces for g in groups),
+        bytes_per_step=sum(g.all_gather_bytes + g.reduce_scatter_bytes + g.all_reduce_bytes for g in groups),
+        sent_per_step=sum(g.sent_bytes for g in groups),
+        minimum_sent=round(3 * (world - 1) / world * param_bytes),
+        sharded_param_bytes=sharded + unmanaged,
+        buffer_bytes=buffers,
+        optimizer_bytes=optimizer_bytes,
+        optimizer_source=source,
+        in_flight_peak_bytes=result.peak,
+        peak_at=result.where,
+        gradient_bytes=result.after_backward,
+        predicted_peak_bytes=static + result.peak,
+        step_bytes=static + result.after_backward,
+    )
+
+
+def _notes(root_state) -> list[str]:
+    if root_state is None or not root_state.reference_forward_order:
+        return ["(before the first step: order and prefetch follow module definition order; "
+                "the first step records the real order)"]
+    return []
+
+
+def _measure(model: nn.Module, batch: Any, loss_fn, explanation: Explanation) -> None:
+    """One forward/backward under a storage tracker; gradients are put back as they were."""
+    from .storage import StorageTracker
+
+    loss_fn = loss_fn or (lambda m, b: m(b).sum())
+    params = list(model.parameters())
+    saved = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    states = [s for _, s in states_in(model)]
+    tracker = StorageTracker()
+    tracker.track(params)
+    tracker.track(b for b in model.buffers())
+    try:
+        with tracker:
+            unsharded_before = sum(s.group.unsharded_nbytes() for s in states)
+            before = tracker.current
+            loss = loss_fn(model, batch)
+            unsharded = sum(s.group.unsharded_nbytes() for s in states) - unsharded_before
+            activations = max(0, tracker.current - before - unsharded)
+            loss.backward()
+            del loss
+    finally:
+        for p, g in zip(params, saved):
+            p.grad = g
+    t = explanation.totals
+    t.activation_bytes = activations
+    t.measured_peak_bytes = tracker.peak + t.optimizer_bytes

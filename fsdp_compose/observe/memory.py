@@ -1,0 +1,233 @@
+"""Predict the per-rank peak of one training step by replaying the schedule on byte counts.
+
+The replay follows the runtime's rules (hooks/forward.py, hooks/backward.py, schedule.py):
+a group's all-gather output and its unsharded parameters coexist during copy-out; prefetched
+gathers are in flight while a group computes; non-root groups free after forward (keeping a
+slice under ``reshard_after_forward=<int>``); backward re-gathers in reverse post-forward
+order; a finished group's unsharded gradients, reduce-scatter input and output coexist;
+at most ``reduce_limit`` reductions stay in flight (their inputs too, unless the backend copies
+them, as gloo does). Activations are not modelled.
+It describes a step after the first (the first records the order and prefetches no forward
+gathers) with gradients set to ``None`` before it (``optimizer.zero_grad()``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..runtime.state import GroupState
+from .plan import GroupSizes
+
+
+@dataclass
+class Call:
+    """One forward call of a group's module: its index in ``named_modules`` and its subtree's last."""
+
+    state: GroupState
+    start: int
+    end: int
+
+
+@dataclass
+class Replay:
+    peak: int  # bytes above the sharded parameters and optimizer state
+    where: str  # the moment of the peak
+    after_backward: int  # sharded gradients left for the optimizer step
+
+
+def forward_calls(model: nn.Module, states: list[GroupState]) -> tuple[list[Call], dict]:
+    """Calls in definition order, and each parameter's position (its module's index)."""
+    modules = list(model.modules())  # named_modules order, duplicates removed
+    index = {m: i for i, m in enumerate(modules)}
+    ends, stack = {}, []  # each module's last descendant, from the path depth
+    for name, m in model.named_modules():
+        d = name.count(".") + 1 if name else 0
+        while stack and stack[-1][1] >= d:
+            ends[stack.pop()[0]] = index[m] - 1
+        stack.append((m, d))
+    for m, _ in stack:
+        ends[m] = len(modules) - 1
+    calls = []
+    for state in states:
+        for m in state.modules or [state.module]:
+            if m in index:
+                calls.append(Call(state, index[m], ends[m]))
+    calls.sort(key=lambda c: c.start)
+    param_pos = {}
+    for state in states:
+        for p in state.group.trainable:
+            positions = [index[place.module] for place in p.places if place.module in index]
+            param_pos[id(p)] = max(positions) if positions else 0
+    return calls, param_pos
+
+
+class _Live:
+    def __init__(self) -> None:
+        self.bytes: dict[tuple, int] = {}
+        self.total = 0
+        self.peak = 0
+        self.where = "-"
+
+    def add(self, key: tuple, n: int, where: str) -> None:
+        if n <= 0:
+            return
+        self.bytes[key] = self.bytes.get(key, 0) + n
+        self.total += n
+        if self.total > self.peak:
+            self.peak, self.where = self.total, where
+
+    def drop(self, key: tuple) -> None:
+        self.total -= self.bytes.pop(key, 0)
+
+
+def replay(
+    calls: list[Call],
+    param_pos: dict[int, int],
+    sizes: dict[GroupState, GroupSizes],
+    names: dict[GroupState, str],
+    roots: set[GroupState],
+    forward_targets,
+    backward_targets,
+    reduce_limit: int,
+    reduce_input_held: bool = True,
+) -> Replay:
+    """``reduce_input_held``: the backend keeps the reduce-scatter input until the wait (NCCL);
+    gloo copies it when the collective is issued, so the input dies at once."""
+    live = _Live()
+    unsharded: set[GroupState] = set()
+    pending: set[GroupState] = set()
+    kept: set[GroupState] = set()
+
+    def start(s: GroupState) -> None:
+        if s in unsharded or s in pending or not s.group.params:
+            return
+        size = sizes[s]
+        if s in kept:  # re-gather from the slice kept after forward
+            kept.discard(s)
+            live.add(("gathered", s), size.kept_gathered, "")
+        else:
+            live.add(("send", s), size.send, "")
+            live.add(("gathered", s), size.gathered, "")
+        pending.add(s)
+
+    def wait(s: GroupState, where: str) -> None:
+        if s not in pending:
+            return
+        pending.discard(s)
+        live.add(("unsharded", s), sizes[s].unsharded, where)  # copy-out: buffer and target coexist
+        for kind in ("gathered", "send", "kept"):
+            live.drop((kind, s))
+        unsharded.add(s)
+
+    def reshard(s: GroupState, after_forward: bool) -> None:
+        if s not in unsharded:
+            return
+        if after_forward and sizes[s].kept:
+            kept.add(s)
+            live.add(("kept", s), sizes[s].kept, "")
+        live.drop(("unsharded", s))
+        unsharded.discard(s)
+
+    def unshard_with_prefetch(s: GroupState, targets: list[GroupState], where: str) -> None:
+        start(s)
+        for t in targets:
+            start(t)
+        wait(s, where)
+
+    # ----- forward ------------------------------------------------------------------------
+    open_calls: list[Call] = []
+    post_forward_order: list[GroupState] = []
+
+    def post_forward(call: Call) -> None:
+        s = call.state
+        if s not in post_forward_order:
+            post_forward_order.append(s)
+        if s.reshard_after_forward and s not in roots:
+            reshard(s, after_forward=True)
+
+    for call in calls:
+        while open_calls and open_calls[-1].end < call.start:
+            post_forward(open_calls.pop())
+        unshard_with_prefetch(call.state, forward_targets(call.state), f"forward {names[call.state]}")
+        open_calls.append(call)
+    while open_calls:
+        post_forward(open_calls.pop())
+
+    # ----- backward -----------------------------------------------------------------------
+    reducing: list[tuple[GroupState, int]] = []
+    pre_done: set[GroupState] = set()
+    post_done: set[GroupState] = set()
+    done_at: dict[GroupState, int] = {}
+    for s in sizes:
+        positions = [param_pos[id(p)] for p in s.group.trainable]
+        starts = [c.start for c in calls if c.state is s]
+        done_at[s] = min(positions) if positions else min(starts, default=0)
+
+    def pre_backward(s: GroupState) -> None:
+        if s in pre_done:
+            return
+        pre_done.add(s)
+        unshard_with_prefetch(s, backward_targets(s, post_forward_order), f"backward {names[s]}")
+
+    def finish_reduce(s: GroupState, i: int) -> None:
+        live.drop(("table", s, i))
+        copy = sizes[s].sharded_grad_copies[i]
+        if copy:
+            live.add(("sharded_grad", s, i), copy, "")
+            live.drop(("output", s, i))
+
+    def post_backward(s: GroupState) -> None:
+        if s in post_done:
+            return
+        post_done.add(s)
+        size = sizes[s]
+        if size.reduce_tables:
+            where = f"reduce-scatter {names[s]}"
+            for i, (table, output) in enumerate(zip(size.reduce_tables, size.reduce_outputs)):
+                live.add(("rows", s, i), size.row_copies[i], where)
+                live.add(("table", s, i), table, where)
+                live.add(("output", s, i), output, where)
+                live.drop(("rows", s, i))
+                if not reduce_input_held:
+                    live.drop(("table", s, i))
+            live.drop(("grads", s))
+            reducing.append(s)
+            while len(reducing) > reduce_limit:
+                oldest = reducing.pop(0)
+                for i in range(len(sizes[oldest].reduce_tables)):
+                    finish_reduce(oldest, i)
+        else:
+            live.drop(("grads", s))
+        if s.reshard_after_backward:
+            reshard(s, after_forward=False)
+
+    last = max((c.end for c in calls), default=-1)
+    by_end: dict[int, list[Call]] = {}
+    for c in calls:
+        by_end.setdefault(c.end, []).append(c)
+    grads_at: dict[int, list[GroupState]] = {}
+    for s in sizes:
+        for p in s.group.trainable:
+            at = grads_at.setdefault(param_pos[id(p)], [])
+            if s not in at:
+                at.append(s)
+    for k in range(last, -1, -1):
+        for c in sorted(by_end.get(k, []), key=lambda c: c.start):
+            pre_backward(c.state)
+        for s in grads_at.get(k, []):
+            grad_bytes = sum(
+                p.unsharded_shape.numel() * p.gather_element_size for p in s.group.trainable if param_pos[id(p)] == k
+            )
+            live.add(("grads", s), grad_bytes, f"backward {names[s]}")
+        for s in [s for s in sizes if done_at[s] == k]:
+            if s in pre_done:
+                post_backward(s)
+    for s in sizes:
+        if s in pre_done:
+            post_backward(s)
+    for s in reducing:
+        for i in range(len(sizes[s].reduce_tables)):
+            finish_reduce(s, i)
+    return Replay(live.peak, live.where, live.total)

@@ -1,0 +1,179 @@
+"""What one group costs per step, read from its runtime state: sizes, collectives, prefetch.
+
+Every figure mirrors the code that moves the bytes (``ParamGroup.start_unshard``,
+``start_reduce``, ``collectives.py``), so predicted bytes equal what ``CommStats`` counts.
+Assumption: each module of a group runs once per forward, in the order the modules are defined.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..runtime.order_check import HEADER_BYTES
+from ..runtime.state import GroupState, RootState
+
+
+@dataclass
+class GroupPlan:
+    """One ``fully_shard`` group: the row ``explain`` prints."""
+
+    name: str  # module FQN(s) of the call, '<root>' for the model itself
+    params: int  # parameter elements (global shapes)
+    dtypes: str  # shard dtype(s), '->gather dtype' under mixed precision
+    sharded_bytes: int  # this rank's shards
+    unsharded_bytes: int  # the gathered parameters while in use
+    all_gathers: int  # per step, forward + backward
+    all_gather_bytes: int  # gathered buffer sizes, as CommStats counts them
+    reduce_scatters: int
+    reduce_scatter_bytes: int  # reduce-scatter inputs, as CommStats counts them
+    all_reduces: int
+    all_reduce_bytes: int
+    reshard_after_forward: bool | int
+    sent_bytes: int = 0  # what this rank sends per step (ring algorithms): (n-1)/n of each collective
+    forward_prefetch: list[str] = field(default_factory=list)
+    backward_prefetch: list[str] = field(default_factory=list)
+    offload: bool = False
+    is_root: bool = False
+
+
+@dataclass
+class GroupSizes:
+    """Byte sizes of one group's buffers, for the memory simulation."""
+
+    send: int  # this rank's all-gather input (header + padded shards)
+    gathered: int  # all-gather output
+    unsharded: int
+    kept: int  # reshard_after_forward=<int>: slice kept after forward (0 without)
+    kept_gathered: int  # all-gather output when re-gathering from the slice
+    row_copies: list[int]  # per reduce dtype: gradients copied to be cast or padded before the table
+    reduce_tables: list[int]  # one reduce-scatter input per reduce dtype
+    reduce_outputs: list[int]
+    sharded_grad_copies: list[int]  # per reduce dtype: bytes of the sharded grad if copied, 0 if a view
+
+
+def module_names(model: nn.Module) -> dict[nn.Module, str]:
+    return {m: name for name, m in model.named_modules(remove_duplicate=False)}
+
+
+def group_name(state: GroupState, names: dict[nn.Module, str]) -> str:
+    found = [names.get(m, "?") or "<root>" for m in state.modules or [state.module]]
+    return ", ".join(found)
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def sizes_of(state: GroupState) -> GroupSizes:
+    group = state.group
+    world, header = group.world_size, HEADER_BYTES if group.header is not None else 0
+    send = header + sum(p.padded_numel * p.gather_element_size for p in group.params)
+    kept = kept_gathered = 0
+    if group.post_forward is not None and state.reshard_after_forward:
+        ranks = group.post_forward.ranks
+        kept = header + sum(size * world // ranks for size in group.layout.sizes)
+        kept_gathered = ranks * kept
+    trainable = group.trainable if state.requires_gradient_sync else []
+    by_dtype: dict[torch.dtype, list] = {}
+    for p in trainable:
+        by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
+    tables, outputs, copies, row_copies = [], [], [], []
+    for dtype, params in by_dtype.items():
+        row = (sum(p.padded_numel for p in params) + len(params)) * itemsize(dtype)
+        tables.append(world * row)
+        row_copies.append(
+            sum(
+                world * p.padded_numel * itemsize(dtype)
+                for p in params
+                if p.layout.gather_dtype != dtype or p.unsharded_shape.numel() != world * p.padded_numel
+            )
+        )
+        outputs.append(row)
+        view = all(p.dtype == dtype and p.layout.storage_device == p.layout.compute_device for p in params)
+        copies.append(0 if view else sum(p.local_numel * itemsize(p.dtype) for p in params))
+    return GroupSizes(
+        send=send if group.params else 0,
+        gathered=world * send if group.params else 0,
+        unsharded=sum(world * p.padded_numel * p.gather_element_size for p in group.params),
+        kept=kept,
+        kept_gathered=kept_gathered,
+        row_copies=row_copies,
+        reduce_tables=tables,
+        reduce_outputs=outputs,
+        sharded_grad_copies=copies,
+    )
+
+
+def plan_group(
+    state: GroupState,
+    name: str,
+    is_root: bool,
+    forward_prefetch: list[str],
+    backward_prefetch: list[str],
+) -> GroupPlan:
+    group, sizes = state.group, sizes_of(state)
+    calls = len(state.modules or [state.module])
+    reshards = state.reshard_after_forward and not is_root
+    world = group.world_size
+    gathers = gather_bytes = 0
+    sent = 0.0
+    if group.params:
+        # forward: the first call gathers; later calls of a group resharded after forward gather again
+        gathers, gather_bytes = 1, sizes.gathered
+        sent = sizes.gathered * (world - 1) / world
+        regather = sizes.kept_gathered if sizes.kept else sizes.gathered
+        regather_ranks = group.post_forward.ranks if sizes.kept else world
+        if reshards:
+            gathers += calls  # calls - 1 more in forward, one in backward
+            gather_bytes += calls * regather
+            sent += calls * regather * (regather_ranks - 1) / regather_ranks
+    sent += sum(sizes.reduce_tables) * (world - 1) / world
+    # HSDP (a 2-D mesh, even with one replica): one all-reduce per reduce-scatter
+    all_reduces = len(sizes.reduce_outputs) if group.replicate_group is not None and state.requires_all_reduce else 0
+    replicas = group.dp_size // world
+    if all_reduces:
+        sent += sum(sizes.reduce_outputs) * 2 * (replicas - 1) / replicas
+    offload = any(p.layout.storage_device != p.layout.compute_device for p in group.params)
+    if state.group.post_forward is not None and state.reshard_after_forward:
+        reshard: bool | int = group.post_forward.ranks
+    else:
+        reshard = bool(state.reshard_after_forward)
+    return GroupPlan(
+        name=name,
+        params=sum(p.shape.numel() for p in group.params),
+        dtypes=_dtypes(state),
+        sharded_bytes=sum(p.local_tensor().numel() * p.local_tensor().element_size() for p in group.params),
+        unsharded_bytes=sizes.unsharded,
+        all_gathers=gathers,
+        all_gather_bytes=gather_bytes,
+        reduce_scatters=len(sizes.reduce_tables),
+        reduce_scatter_bytes=sum(sizes.reduce_tables),
+        all_reduces=all_reduces,
+        all_reduce_bytes=sum(sizes.reduce_outputs) if all_reduces else 0,
+        reshard_after_forward=reshard,
+        sent_bytes=round(sent),
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        offload=offload,
+        is_root=is_root,
+    )
+
+
+def _short(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtypes(state: GroupState) -> str:
+    pairs = sorted({(_short(p.dtype), _short(p.layout.gather_dtype)) for p in state.group.params})
+    return ",".join(a if a == b else f"{a}->{b}" for a, b in pairs) or "-"
+
+
+def limits(root: RootState | None) -> tuple[int, int]:
+    """(prefetch_limit, reduce_limit): the root's, or the defaults before the first forward."""
+    if root is not None:
+        return root.prefetch_limit, root.reduce_limit
+    fields = RootState.__dataclass_fields__
+    return fields["prefetch_limit"].default, fields["reduce_limit"].default
