@@ -1,0 +1,190 @@
+"""Every ```python block in README.md and docs/*.md runs as written.
+
+The convention (also stated in docs/index.md): a page's python blocks run in order as one
+script on 2 gloo ranks, launched like torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT set), so the first block does its own imports and ``init_process_group``. A block
+preceded, on the line just above its fence, by ``<!-- docs-test: skip (reason) -->`` is not
+run. The script keeps each block on its page's line numbers, so a traceback's line is the
+line in the page. Pages run two at a time (the next page starts while this one is checked);
+each has a hard deadline after which both ranks are killed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+WORLD_SIZE = 2
+PAGE_TIMEOUT_S = 90.0
+SKIP_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*skip\s*\((.+)\)\s*-->\s*$")
+FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(\S*)")
+
+
+def doc_pages() -> list[Path]:
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+
+
+def page_script(text: str) -> tuple[str, int, int]:
+    """The page's runnable python blocks as one script with the page's line numbers.
+
+    Returns (script, blocks run, blocks skipped)."""
+    lines = text.splitlines()
+    out = [""] * len(lines)
+    ran = skipped = 0
+    i = 0
+    while i < len(lines):
+        m = FENCE.match(lines[i])
+        if not m:
+            i += 1
+            continue
+        indent, fence, lang = m.groups()
+        j = i + 1
+        while j < len(lines) and not lines[j].strip().startswith(fence):
+            j += 1
+        if lang == "python":
+            if i > 0 and SKIP_MARKER.match(lines[i - 1]):
+                skipped += 1
+            else:
+                ran += 1
+                for k in range(i + 1, j):
+                    line = lines[k]
+                    out[k] = line[len(indent) :] if line.startswith(indent) else line.lstrip()
+        i = j + 1
+    return "\n".join(out) + "\n", ran, skipped
+
+
+def test_page_script_keeps_line_numbers_and_honours_skip() -> None:
+    text = "# t\n```python\nx = 1\n```\n<!-- docs-test: skip (needs 8 ranks) -->\n```python\nboom\n```\n```bash\nls\n```\n```python\ny = x\n```\n"
+    script, ran, skipped = page_script(text)
+    assert (ran, skipped) == (2, 1)
+    assert script.splitlines()[2] == "x = 1" and script.splitlines()[12] == "y = x"
+    assert "boom" not in script and "ls" not in script
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class PageRun:
+    """Both ranks of one page's script, started in their own process group."""
+
+    page: Path
+    workdir: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    started: float = 0.0
+
+    def start(self) -> None:
+        script, _, _ = page_script(self.page.read_text())
+        path = self.workdir / (self.page.name + ".py")
+        path.write_text(script)
+        port = _free_port()
+        self.started = time.monotonic()
+        for rank in range(WORLD_SIZE):
+            env = dict(
+                os.environ,
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(WORLD_SIZE),
+                LOCAL_WORLD_SIZE=str(WORLD_SIZE),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                GLOO_SOCKET_IFNAME="lo",
+                OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+            )
+            log = open(self.workdir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed by the child's exit
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(path)],
+                    cwd=self.workdir,
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+            log.close()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            proc.wait()
+
+    def wait(self) -> tuple[list[int | None], bool]:
+        """Exit codes per rank, and whether the deadline passed (then every rank is killed)."""
+        deadline = self.started + PAGE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            codes = [p.poll() for p in self.procs]
+            if all(c is not None for c in codes):
+                return codes, False
+            if any(c not in (None, 0) for c in codes):  # a peer may be stuck in a collective
+                deadline = min(deadline, time.monotonic() + 5)
+            time.sleep(0.05)
+        codes = [p.poll() for p in self.procs]
+        self.kill()
+        return codes, any(c is None for c in codes)
+
+    def logs(self) -> str:
+        parts = []
+        for rank in range(WORLD_SIZE):
+            text = (self.workdir / f"rank{rank}.log").read_text()
+            parts.append(f"--- rank {rank} output (last 4000 chars):\n{text[-4000:]}")
+        return "\n".join(parts)
+
+
+PAGES = doc_pages()
+_runs: dict[Path, PageRun] = {}
+_tmp = tempfile.TemporaryDirectory(prefix="fsdp_compose_docs_")
+
+
+def _launch(page: Path) -> PageRun:
+    if page not in _runs:
+        workdir = Path(_tmp.name) / page.stem
+        workdir.mkdir()
+        _runs[page] = PageRun(page, workdir)
+        _runs[page].start()
+    return _runs[page]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kill_leftovers():
+    yield
+    for run in _runs.values():
+        run.kill()
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(REPO)) for p in PAGES])
+def test_page_runs(page: Path, request: pytest.FixtureRequest) -> None:
+    _, ran, _ = page_script(page.read_text())
+    if ran == 0:
+        pytest.skip("no python blocks")
+    run = _launch(page)
+    selected = {item.callspec.params["page"] for item in request.session.items if item.originalname == "test_page_runs"}
+    for later in PAGES[PAGES.index(page) + 1 :]:  # start the next selected page while this one runs
+        if later in selected and page_script(later.read_text())[1]:
+            _launch(later)
+            break
+    codes, timed_out = run.wait()
+    rel = page.relative_to(REPO)
+    if timed_out:
+        pytest.fail(f"{rel}: ranks still running after {PAGE_TIMEOUT_S:.0f}s (killed); exit codes {codes}\n{run.logs()}")
+    if any(codes):
+        pytest.fail(f"{rel}: exit codes {codes} (traceback line numbers are the page's)\n{run.logs()}")
