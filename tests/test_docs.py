@@ -72,6 +72,24 @@ def test_page_script_keeps_line_numbers_and_honours_skip() -> None:
     assert "boom" not in script and "ls" not in script
 
 
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def test_links_stay_in_the_repository() -> None:
+    """Every markdown link is relative and names a file of this repository."""
+    bad = []
+    for page in PAGES:
+        for target in LINK.findall(page.read_text()):
+            path = target.split("#", 1)[0]
+            if "://" in target or target.startswith(("/", "mailto:")):
+                bad.append(f"{page.relative_to(REPO)}: {target} leaves the repository")
+            elif path and not (page.parent / path).resolve().is_relative_to(REPO):
+                bad.append(f"{page.relative_to(REPO)}: {target} leaves the repository")
+            elif path and not (page.parent / path).exists():
+                bad.append(f"{page.relative_to(REPO)}: {target} does not exist")
+    assert not bad, "\n".join(bad)
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
