@@ -6,6 +6,7 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 """
 
 from .api import fully_shard
+from .compat import TorchFSDPPatch, use_as_torch_fsdp
 from .whole_model.checkpoint import exists as checkpoint_exists
 from .whole_model.checkpoint import load_checkpoint, save_checkpoint
 from .whole_model.checkpoint_check import CheckpointError
@@ -42,4 +43,6 @@ __all__ = [
     "load_checkpoint",
     "checkpoint_exists",
     "CheckpointError",
+    "use_as_torch_fsdp",
+    "TorchFSDPPatch",
 ]
