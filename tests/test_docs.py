@@ -7,15 +7,18 @@ preceded, on the line just above its fence, by ``<!-- docs-test: skip (reason) -
 run, and a page holding ``<!-- docs-test: requires transformers accelerate -->`` is skipped
 unless those modules import (optional extras). The script keeps each block on its page's line numbers, so a traceback's line is the
 line in the page. Pages run two at a time (the next page starts while this one is checked);
-each has a hard deadline after which both ranks are killed.
+each has a hard deadline after which both ranks are killed. Ranks fork from a server that has
+torch and fsdp_compose imported, so a page costs its own work, not two interpreter start-ups.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import faulthandler
+import multiprocessing
+import runpy
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 from torch.distributed import TCPStore
 
 REPO = Path(__file__).resolve().parent.parent
@@ -103,74 +107,79 @@ def test_links_stay_in_the_repository() -> None:
     assert not bad, "\n".join(bad)
 
 
+def _run_rank(script: str, workdir: str, log: str, env: dict[str, str]) -> None:
+    """One rank of a page, in a child of the forkserver (torch and fsdp_compose already imported)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.environ.update(env)
+    os.chdir(workdir)
+    faulthandler.enable()  # a crash prints every thread's Python stack
+    torch.set_num_threads(1)
+    sys.argv = [script]
+    sys.path.insert(0, workdir)
+    runpy.run_path(script, run_name="__main__")
+
+
+# Importing torch and fsdp_compose costs seconds per process; ranks fork from a server that has
+# them imported (like a torchrun worker that starts fast), with the environment torchrun sets.
+_forkserver = multiprocessing.get_context("forkserver")
+_forkserver.set_forkserver_preload(["torch", "torch.distributed", "fsdp_compose"])
+
+
 @dataclass
 class PageRun:
-    """Both ranks of one page's script, started in their own process group."""
+    """Both ranks of one page's script."""
 
     page: Path
     workdir: Path
-    procs: list[subprocess.Popen] = field(default_factory=list)
+    procs: list = field(default_factory=list)
     started: float = 0.0
     store: object = None
+    timeout: float = PAGE_TIMEOUT_S
 
     def start(self) -> None:
         script, _, _ = page_script(self.page.read_text())
         script += f"print({COMPLETED!r}, flush=True)\n"
         path = self.workdir / (self.page.name + ".py")
         path.write_text(script)
-        # like torchrun, this process hosts the store and every rank is a client, so no rank's
-        # exit can pull the store from under a peer that is still shutting down
+        # like torchrun, this process hosts the store and every rank is a client
         self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        port = self.store.port
         self.started = time.monotonic()
         for rank in range(WORLD_SIZE):
-            env = dict(
-                os.environ,
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(WORLD_SIZE),
-                LOCAL_WORLD_SIZE=str(WORLD_SIZE),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                TORCHELASTIC_USE_AGENT_STORE="True",
-                GLOO_SOCKET_IFNAME="lo",
-                OMP_NUM_THREADS="1",
-                PYTHONFAULTHANDLER="1",  # a crash prints every thread's Python stack
-                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-            )
-            log = open(self.workdir / f"rank{rank}.log", "w")  # noqa: SIM115 - closed by the child's exit
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, str(path)],
-                    cwd=self.workdir,
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-            log.close()
+            env = {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(WORLD_SIZE),
+                "LOCAL_WORLD_SIZE": str(WORLD_SIZE),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(self.store.port),
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "GLOO_SOCKET_IFNAME": "lo",
+                "OMP_NUM_THREADS": "1",
+            }
+            log = str(self.workdir / f"rank{rank}.log")
+            proc = _forkserver.Process(target=_run_rank, args=(str(path), str(self.workdir), log, env), daemon=True)
+            proc.start()
+            self.procs.append(proc)
 
     def kill(self) -> None:
         for proc in self.procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            proc.wait()
+            if proc.exitcode is None:
+                proc.kill()
+            proc.join()
 
     def wait(self) -> tuple[list[int | None], bool]:
         """Exit codes per rank, and whether the deadline passed (then every rank is killed)."""
-        deadline = self.started + PAGE_TIMEOUT_S
+        deadline = self.started + self.timeout
         while time.monotonic() < deadline:
-            codes = [p.poll() for p in self.procs]
+            codes = [p.exitcode for p in self.procs]
             if all(c is not None for c in codes):
                 return codes, False
             if any(c not in (None, 0) for c in codes):  # a peer may be stuck in a collective
                 deadline = min(deadline, time.monotonic() + 5)
             time.sleep(0.05)
-        codes = [p.poll() for p in self.procs]
+        codes = [p.exitcode for p in self.procs]
         self.kill()
         return codes, any(c is None for c in codes)
 
@@ -239,3 +248,25 @@ def test_page_runs(page: Path, request: pytest.FixtureRequest) -> None:
 def test_readme_test_command_is_what_ci_runs() -> None:
     ci = (REPO / ".ci" / "run").read_text().strip().splitlines()[-1]
     assert ci in (REPO / "README.md").read_text(), ci
+
+
+def test_a_failing_block_names_its_page_line_and_a_hang_is_killed(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    page.write_text(
+        "```python\nimport os, time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n```\n"
+        "text\n```python\nif dist.get_rank() == 1:\n    raise ValueError('boom')\ndist.barrier()\n```\n"
+    )
+    run = PageRun(page, tmp_path, timeout=30)
+    run.start()
+    codes, _ = run.wait()
+    assert codes[1] == 1, codes  # rank 0 errors out of the barrier or is killed 5 s later
+    assert 'page.md.py", line 9' in run.logs() and "ValueError: boom" in run.logs()
+
+    page.write_text("```python\nimport time\ntime.sleep(60)\n```\n")
+    hang = tmp_path / "hang"
+    hang.mkdir()
+    run = PageRun(page, hang, timeout=2)
+    run.start()
+    codes, timed_out = run.wait()
+    assert timed_out and codes == [None, None]
+    assert all(p.exitcode == -signal.SIGKILL for p in run.procs)
