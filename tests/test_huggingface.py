@@ -194,3 +194,55 @@ def test_generate_and_save_pretrained_round_trip(kind: str, tmp_path) -> None:
     assert results[0]["logits_equal"] and results[0]["sd_kept"], results[0]
     assert results[0]["sd_emptied_by_save"]  # the gotcha docs/huggingface.md warns about
     assert os.path.exists(tmp_path / "export" / "config.json")
+
+
+def _accelerate_parity() -> dict:
+    pytest.importorskip("accelerate")
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    from fsdp_compose import FSDPModule, use_as_torch_fsdp
+
+    reference = _build("gpt2")
+    with use_as_torch_fsdp():
+        plugin = FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"]
+        )
+        accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+        accelerator.state.distributed_type = DistributedType.FSDP  # CPU-only: accelerate would pick DDP
+        accelerator.state.fsdp_plugin = plugin
+        model = copy.deepcopy(reference)
+        model, opt = accelerator.prepare(model, _sgd(model))  # accelerate re-points the optimizer at the shards
+        ref_opt = _sgd(reference)
+        sharded = [name for name, m in model.named_modules() if isinstance(m, FSDPModule)]
+        losses, ref_losses, grad_diffs = [], [], []
+        for step in range(3):
+            full, local = _batch(step)
+            ref_loss = reference(input_ids=full, labels=full).loss
+            ref_loss.backward()
+            ref_losses.append(ref_loss.item())
+            loss = model(input_ids=local, labels=local).loss
+            accelerator.backward(loss)
+            losses.append(mean_across_ranks(loss.detach()))
+            grad_diffs.append(max_grad_diff(model, reference))
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+    AcceleratorState._reset_state(True)
+    return {
+        "sharded": sharded,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "grad_diff": max(grad_diffs),
+        "param_diff": max_param_diff(model, reference),
+    }
+
+
+def test_accelerate_fsdp2_through_use_as_torch_fsdp_at_parity() -> None:
+    pytest.importorskip("accelerate")
+    for r in run_on_ranks(2, _accelerate_parity):
+        # accelerate's plan: each GPT2Block, the tied (final norm, wte, lm_head) group, the root
+        assert r["sharded"] == ["", "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f", "lm_head"], r["sharded"]
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, r
+        assert r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r
