@@ -159,7 +159,8 @@ class PageRun:
                 "OMP_NUM_THREADS": "1",
             }
             log = str(self.workdir / f"rank{rank}.log")
-            proc = _forkserver.Process(target=_run_rank, args=(str(path), str(self.workdir), log, env), daemon=True)
+            # not daemonic: a page may start processes of its own (DataLoader workers, mp.spawn)
+            proc = _forkserver.Process(target=_run_rank, args=(str(path), str(self.workdir), log, env))
             proc.start()
             self.procs.append(proc)
 
