@@ -8,6 +8,7 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 from .api import fully_shard
 from .comm import AllGather, Comm, ReduceScatter
 from .spmd_mesh import DataParallelMeshDims
+from .compat import TorchFSDPPatch, use_as_torch_fsdp
 from .whole_model.checkpoint import exists as checkpoint_exists
 from .whole_model.checkpoint import load_checkpoint, save_checkpoint
 from .whole_model.checkpoint_check import CheckpointError
@@ -54,4 +55,6 @@ __all__ = [
     "explain",
     "Explanation",
     "collective_bytes",
+    "use_as_torch_fsdp",
+    "TorchFSDPPatch",
 ]
