@@ -274,13 +274,10 @@ def share_comm_ctx(modules: list) -> None:
     """
     if not modules:
         return
-    from .module import FSDPModule
-
-    states = []
-    for module in modules:
-        if not isinstance(module, FSDPModule):
+    states = [state_of(module) for module in modules]  # a module is an FSDPModule iff it has state
+    for module, state in zip(modules, states):
+        if state is None:
             raise ValueError(f"share_comm_ctx expects a list of FSDPModules but got {type(module).__name__}")
-        states.append(state_of(module))
     first = states[0].group
     shared = next(
         (s.group.comm.reduce_process_group for _, s in states_in(modules[0]) if s.group.comm.reduce_process_group),
