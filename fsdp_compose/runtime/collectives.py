@@ -15,15 +15,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .clean_tls import python_free_tls
+
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group, async_op=async_op)
+    with python_free_tls():
+        return gather(output, input, group=group, async_op=async_op)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    with python_free_tls():
+        return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 @dataclass
@@ -107,4 +111,5 @@ def all_reduce_sum(tensor: torch.Tensor, group, stats: CommStats) -> None:
     """Sum a reduced gradient shard across HSDP replicas, in place."""
     stats.all_reduces += 1
     stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    with python_free_tls():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
