@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .clean_tls import python_free_tls
+from .handshake import wait_named
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
@@ -49,6 +50,7 @@ class PendingCollective:
     work: object
     on_done: Callable[[], None] | None
     done: bool = False
+    what: str = "a collective"  # how a failed wait names it
 
     def finish(self) -> None:
         if self.done:
@@ -56,7 +58,7 @@ class PendingCollective:
         self.done = True
         work, self.work = self.work, None  # a gloo Work kept alive past shutdown aborts the process at exit
         if work is not None:
-            work.wait()
+            wait_named(work, self.what)
         on_done, self.on_done = self.on_done, None
         on_done()
 

@@ -17,6 +17,7 @@ from .collectives import (
     copy_out,
     reduce_scatter_rows,
 )
+from .handshake import ALL_GATHER, REDUCE_SCATTER, handshake, handshake_enabled
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
 
@@ -60,6 +61,7 @@ class ParamGroup:
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
         self.header = make_header(self.uid, device) if check_enabled() else None
+        self.handshake = handshake_enabled()
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.mesh = mesh
@@ -104,14 +106,21 @@ class ParamGroup:
             if self._kept is not None:
                 kept, self._kept = self._kept, None
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
+                self._handshake(ALL_GATHER, kept.numel(), group)
                 work, gathered = all_gather_flat([kept], layout, group, self.stats)
             else:
                 pieces = [] if self.header is None else [self.header]
                 for p in self.params:
                     pieces.extend(p.gather_pieces())
                 layout, rows = self.layout, self.world_size
+                self._handshake(ALL_GATHER, sum(p.numel() for p in pieces), self.process_group)
                 work, gathered = all_gather_flat(pieces, layout, self.process_group, self.stats)
-        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, layout, rows))
+        finish = partial(self._finish_unshard, gathered, layout, rows)
+        self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
+
+    def _handshake(self, kind: int, nbytes: int, group) -> None:
+        if self.handshake:
+            handshake(self.uid, kind, nbytes, group, self.describe, self.device)
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
         if self.header is not None:
@@ -183,9 +192,11 @@ class ParamGroup:
                     p.clear_unsharded_grad()
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 pre_divide = self.world_size if dtype.itemsize < 4 else 1
+                self._handshake(REDUCE_SCATTER, sum(r.shape[1] for r in rows) * dtype.itemsize, self.process_group)
                 work, reduced = reduce_scatter_rows(rows, self.process_group, self.stats, pre_divide)
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce)
-                self.pending_reduces.append(PendingCollective(work, finish))
+                what = f"the reduce-scatter of {self.label}"
+                self.pending_reduces.append(PendingCollective(work, finish, what=what))
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
         """Every row holds this rank's has-gradient flags; the common all-present case is cached."""

@@ -1,0 +1,82 @@
+"""Step-time cost of the cross-rank order checks, A/B interleaved on real gloo ranks.
+
+    python benchmarks/bench_order_check.py [--steps 8]
+
+Builds bench_step.py's GPT twice from the same seed, one with FSDP_COMPOSE_CHECK_ORDER=tag
+(in-data tag only) and one with the default handshake, and alternates their steps so machine
+load hits both alike; prints the median step time of each and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+
+from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
+
+from benchmarks.bench_step import CONFIG  # noqa: E402
+from fsdp_compose import fully_shard  # noqa: E402
+
+
+def build(mode: str):
+    os.environ["FSDP_COMPOSE_CHECK_ORDER"] = mode
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def rank_main(rank: int, world_size: int, port: int, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    runs = {mode: build(mode) for mode in ("tag", "1")}
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    for step in range(args.steps + 1):
+        for mode in (("tag", "1") if step % 2 else ("1", "tag")):
+            model, optimizer = runs[mode]
+            batch = synthetic_batch(CONFIG, args.batch_size, step, rank)
+            dist.barrier()
+            started = time.perf_counter()
+            lm_loss(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step:  # the first step is warm-up
+                times[mode].append(time.perf_counter() - started)
+    if rank == 0:
+        tag, handshake = statistics.median(times["tag"]), statistics.median(times["1"])
+        print(f"median step: tag only {tag:.4f}s  handshake (default) {handshake:.4f}s  "
+              f"ratio {handshake / tag:.4f} over {args.steps} interleaved steps each")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    mp.start_processes(rank_main, args=(args.world_size, free_port(), args), nprocs=args.world_size,
+                       start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()
