@@ -2,8 +2,8 @@
 
     python benchmarks/bench_order_check.py [--steps 8]
 
-Builds bench_step.py's GPT twice from the same seed, one with FSDP_COMPOSE_CHECK_ORDER=tag
-(in-data tag only) and one with the default handshake, and alternates their steps so machine
+Builds bench_step.py's GPT three times from the same seed, one with FSDP_COMPOSE_CHECK_ORDER=tag
+(in-data tag only), one with the default handshake and one with =strict, and alternates their steps so machine
 load hits both alike; prints the median step time of each and their ratio.
 """
 
@@ -42,10 +42,10 @@ def build(mode: str):
 def rank_main(rank: int, world_size: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    runs = {mode: build(mode) for mode in ("tag", "1")}
+    runs = {mode: build(mode) for mode in ("tag", "1", "strict")}
     times: dict[str, list[float]] = {mode: [] for mode in runs}
     for step in range(args.steps + 1):
-        for mode in (("tag", "1") if step % 2 else ("1", "tag")):
+        for mode in (("tag", "1", "strict") if step % 2 else ("strict", "1", "tag")):
             model, optimizer = runs[mode]
             batch = synthetic_batch(CONFIG, args.batch_size, step, rank)
             dist.barrier()
@@ -56,9 +56,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             if step:  # the first step is warm-up
                 times[mode].append(time.perf_counter() - started)
     if rank == 0:
-        tag, handshake = statistics.median(times["tag"]), statistics.median(times["1"])
-        print(f"median step: tag only {tag:.4f}s  handshake (default) {handshake:.4f}s  "
-              f"ratio {handshake / tag:.4f} over {args.steps} interleaved steps each")
+        tag, default, strict = (statistics.median(times[m]) for m in ("tag", "1", "strict"))
+        print(f"median step: tag only {tag:.4f}s  default {default:.4f}s ({default / tag:.4f}x)  "
+              f"strict {strict:.4f}s ({strict / tag:.4f}x), {args.steps} interleaved steps each")
     dist.destroy_process_group()
 
 

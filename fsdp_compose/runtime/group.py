@@ -17,7 +17,7 @@ from .collectives import (
     copy_out,
     reduce_scatter_rows,
 )
-from .handshake import ALL_GATHER, REDUCE_SCATTER, handshake, handshake_enabled
+from .handshake import ALL_GATHER, REDUCE_SCATTER, handshake, handshake_kinds
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
 
@@ -61,7 +61,7 @@ class ParamGroup:
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
         self.header = make_header(self.uid, device) if check_enabled() else None
-        self.handshake = handshake_enabled()
+        self.handshake = handshake_kinds()
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.mesh = mesh
@@ -119,7 +119,7 @@ class ParamGroup:
         self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
 
     def _handshake(self, kind: int, nbytes: int, group) -> None:
-        if self.handshake:
+        if kind in self.handshake:
             handshake(self.uid, kind, nbytes, group, self.describe, self.device)
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:

@@ -2,15 +2,18 @@
 
 gloo cannot report a collective whose ranks disagree: buffers of different sizes abort the
 process inside gloo ("op.preamble.length <= op.nbytes"), and different collectives hang. So,
-by default, each group's all-gather and reduce-scatter is preceded by a 32-byte all-gather of
-(magic, group id, kind, bytes); if any rank's entry differs, every rank raises the same
-``ExecutionOrderError`` naming what each rank was about to run, before the real collective
-is issued. This catches a rank that skipped a sharded module (data-dependent control flow),
-ran a different number of forward calls, or gathered a different group of any size.
+by default, each group's all-gather is preceded by a 32-byte all-gather of (magic, group id,
+kind, bytes); if any rank's entry differs, every rank raises the same ``ExecutionOrderError``
+naming what each rank was about to run, before the real collective is issued. This catches a
+rank that skipped a sharded module (data-dependent control flow), ran a different number of
+forward calls, or gathered a different group of any size. Reduce-scatters follow the
+autograd graph of an already-checked forward, so only ``strict`` mode checks them as well
+(for a rank that skips ``backward`` altogether).
 
-``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake and in-data tag;
-``tag`` the 16-byte tag inside each all-gather only (no extra collective, catches reordered
-groups of equal size); ``0`` neither.
+``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers and
+the in-data tag; ``strict`` handshake before reduce-scatters too; ``tag`` the 16-byte tag
+inside each all-gather only (no extra collective, catches reordered groups of equal size);
+``0`` none.
 
 A rank that stops altogether is reported by the others when the process group's timeout
 expires (``init_process_group(timeout=...)``): ``CollectiveError`` names the collective and
@@ -36,8 +39,12 @@ class CollectiveError(RuntimeError):
     """A collective of a sharded module failed or timed out; names the group it was for."""
 
 
-def handshake_enabled() -> bool:
-    return os.environ.get(CHECK_ENV, "1") not in ("0", "tag")
+def handshake_kinds() -> frozenset[int]:
+    """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``."""
+    mode = os.environ.get(CHECK_ENV, "1")
+    if mode in ("0", "tag"):
+        return frozenset()
+    return frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
 
 
 def handshake(uid: int, kind: int, nbytes: int, group, describe: Callable[[int], str], device: torch.device) -> None:
