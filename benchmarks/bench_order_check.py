@@ -29,6 +29,12 @@ from benchmarks.bench_step import CONFIG  # noqa: E402
 from fsdp_compose import fully_shard  # noqa: E402
 
 
+def _states(model):
+    from fsdp_compose.runtime.state import state_of
+
+    return {id(s): s for m in model.modules() if (s := state_of(m)) is not None}.values()
+
+
 def build(mode: str):
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = mode
     torch.manual_seed(0)
@@ -55,7 +61,19 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             optimizer.zero_grad()
             if step:  # the first step is warm-up
                 times[mode].append(time.perf_counter() - started)
+    # the handshake alone, for a bound that machine noise cannot blur: latency x count per step
+    from fsdp_compose.runtime.handshake import ALL_GATHER, handshake
+
+    group = dist.group.WORLD
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(200):
+        handshake(1, ALL_GATHER, 1024, group, str, torch.device("cpu"))
+    latency = (time.perf_counter() - started) / 200
+    gathers = sum(s.group.stats.all_gathers for s in _states(runs["1"][0])) / (args.steps + 1)
     if rank == 0:
+        print(f"one handshake: {latency * 1e6:.0f} us; {gathers:.0f} all-gathers per step -> "
+              f"{latency * gathers * 1e3:.2f} ms per step added by the default mode")
         tag, default, strict = (statistics.median(times[m]) for m in ("tag", "1", "strict"))
         print(f"median step: tag only {tag:.4f}s  default {default:.4f}s ({default / tag:.4f}x)  "
               f"strict {strict:.4f}s ({strict / tag:.4f}x), {args.steps} interleaved steps each")
