@@ -14,6 +14,8 @@ from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .runtime.handshake import CollectiveError
+from .runtime.order_check import ExecutionOrderError
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params
 from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
@@ -42,4 +44,6 @@ __all__ = [
     "load_checkpoint",
     "checkpoint_exists",
     "CheckpointError",
+    "ExecutionOrderError",
+    "CollectiveError",
 ]
