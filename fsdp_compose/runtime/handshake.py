@@ -49,8 +49,10 @@ def handshake_kinds() -> frozenset[int]:
 
 def handshake(uid: int, kind: int, nbytes: int, group, describe: Callable[[int], str], device: torch.device) -> None:
     """All-gather (magic, uid, kind, nbytes) on ``group``; raise on every rank unless all agree."""
-    mine = torch.tensor([MAGIC, uid, kind, nbytes], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
+    if world == 1:
+        return
+    mine = torch.tensor([MAGIC, uid, kind, nbytes], dtype=torch.int64, device=device)
     rows = mine.new_empty(world * 4)
     with python_free_tls():
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
