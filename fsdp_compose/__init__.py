@@ -19,6 +19,8 @@ from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .module_knobs import share_comm_ctx
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .runtime.handshake import CollectiveError
+from .runtime.order_check import ExecutionOrderError
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params
 from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
@@ -57,4 +59,6 @@ __all__ = [
     "collective_bytes",
     "use_as_torch_fsdp",
     "TorchFSDPPatch",
+    "ExecutionOrderError",
+    "CollectiveError",
 ]

@@ -15,15 +15,20 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .clean_tls import python_free_tls
+from .handshake import wait_named
+
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return gather(output, input, group=group, async_op=async_op)
+    with python_free_tls():
+        return gather(output, input, group=group, async_op=async_op)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    with python_free_tls():
+        return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
 @dataclass
@@ -45,6 +50,7 @@ class PendingCollective:
     work: object
     on_done: Callable[[], None] | None
     done: bool = False
+    what: str = "a collective"  # how a failed wait names it
 
     def finish(self) -> None:
         if self.done:
@@ -52,7 +58,7 @@ class PendingCollective:
         self.done = True
         work, self.work = self.work, None  # a gloo Work kept alive past shutdown aborts the process at exit
         if work is not None:
-            work.wait()
+            wait_named(work, self.what)
         on_done, self.on_done = self.on_done, None
         on_done()
 
@@ -86,7 +92,8 @@ def all_gather_flat(
     if comm is None:
         work = _all_gather(output, flat, group, async_op=True)
     else:
-        work = comm(output, flat, group, async_op=True)
+        with python_free_tls():  # a user's comm issues gloo work too
+            work = comm(output, flat, group, async_op=True)
     return work, output.view(layout.world_size, -1)
 
 
@@ -123,7 +130,8 @@ def reduce_scatter_rows(
     if comm is None:
         work = _reduce_scatter(output, table.view(-1), group, async_op=True)
     else:
-        work = comm(output, table.view(-1), group, op=dist.ReduceOp.SUM, async_op=True)
+        with python_free_tls():
+            work = comm(output, table.view(-1), group, op=dist.ReduceOp.SUM, async_op=True)
     return work, output
 
 
@@ -131,4 +139,5 @@ def all_reduce_sum(tensor: torch.Tensor, group, stats: CommStats) -> None:
     """Sum a reduced gradient shard across HSDP replicas, in place."""
     stats.all_reduces += 1
     stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
-    dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    with python_free_tls():
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)

@@ -18,6 +18,7 @@ from .collectives import (
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
+from .handshake import ALL_GATHER, REDUCE_SCATTER, handshake, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
@@ -62,6 +63,7 @@ class ParamGroup:
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
         self.header = make_header(self.uid, device) if check_enabled() else None
+        self.handshake = handshake_kinds()
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.mesh = mesh
@@ -107,6 +109,7 @@ class ParamGroup:
             if self._kept is not None:
                 kept, self._kept = self._kept, None
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
+                self._handshake(ALL_GATHER, kept.numel(), group)
                 with labelled("all_gather", self):
                     work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
             else:
@@ -116,9 +119,15 @@ class ParamGroup:
                         pieces.extend(p.gather_pieces())
                     flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
                 layout, rows = self.layout, self.world_size
+                self._handshake(ALL_GATHER, flat.numel(), self.process_group)
                 with labelled("all_gather", self):
                     work, gathered = all_gather_flat([flat], layout, self.process_group, self.stats, self.comm.all_gather)
-        self.pending_unshard = PendingCollective(work, partial(self._finish_unshard, gathered, layout, rows))
+        finish = partial(self._finish_unshard, gathered, layout, rows)
+        self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
+
+    def _handshake(self, kind: int, nbytes: int, group) -> None:
+        if kind in self.handshake:
+            handshake(self.uid, kind, nbytes, group, self.describe, self.device)
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
         if self.header is not None:
@@ -199,10 +208,12 @@ class ParamGroup:
                 else:
                     pre_divide = self.world_size if self.comm.gradient_divide_factor is None else factor
                 group = self.comm.reduce_process_group or self.process_group
+                self._handshake(REDUCE_SCATTER, sum(r.shape[1] for r in rows) * dtype.itemsize, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
                     work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor)
-                self.pending_reduces.append(PendingCollective(work, finish))
+                what = f"the reduce-scatter of {self.label}"
+                self.pending_reduces.append(PendingCollective(work, finish, what=what))
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
         """Every row holds this rank's has-gradient flags; the common all-present case is cached."""

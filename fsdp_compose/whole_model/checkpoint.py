@@ -7,6 +7,9 @@ checkpoint where it was. A load checks the checkpoint's metadata against the mod
 optimizer first and reads into scratch tensors, so a mismatched or corrupt checkpoint raises
 ``CheckpointError`` naming the key and leaves the model untouched. The state is saved sharded
 (DTensors), so a checkpoint loads at any world size. Every rank must see the same directory.
+Each file's CRC-32 is recorded in ``checksums.json`` and verified before a load
+(``checkpoint_integrity.py``); ``load_checkpoint(..., fallback=True)`` then uses the previous
+checkpoint, which a save keeps unless ``keep_previous=False``.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from . import checkpoint_integrity as integrity
 from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
 from .walk import reshard_idle
 
@@ -54,15 +59,30 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _publish(path: Path, partial: Path, previous: Path) -> None:
+_faults: set[str] = set()  # tests: write points at which a save "dies" (see inject_fault)
+
+
+class InjectedFault(Exception):
+    """Raised at a write point named in ``_faults``: the disk is left as a crash there would."""
+
+
+def _fault(point: str) -> None:
+    if point in _faults:
+        raise InjectedFault(point)
+
+
+def _publish(path: Path, partial: Path, previous: Path, keep_previous: bool) -> None:
     """Rank 0: put the complete new checkpoint in place, keeping the old one until then."""
     if path.exists():
         if previous.exists():
             shutil.rmtree(previous)
         path.rename(previous)
+    _fault("between-renames")
+    (partial / integrity.OWNER).unlink(missing_ok=True)
     partial.rename(path)
     _fsync_dir(path.parent)
-    if previous.exists():
+    _fault("after-rename")
+    if previous.exists() and not keep_previous:
         shutil.rmtree(previous)
 
 
@@ -95,11 +115,13 @@ def save_checkpoint(
     *,
     step: int = 0,
     extra: Any = None,
+    keep_previous: bool = True,
 ) -> None:
     """Save model and optimizer state (sharded), ``step`` and ``extra`` atomically to ``path``.
 
     Call on every rank. ``extra`` is any picklable object, the same on every rank (e.g. a data
-    loader position or an LR scheduler's ``state_dict()``).
+    loader position or an LR scheduler's ``state_dict()``). ``keep_previous`` keeps the
+    checkpoint this one replaces as ``.<name>.previous`` for ``load_checkpoint(fallback=True)``.
     """
     path = Path(path)
     partial, previous = _siblings(path)
@@ -110,13 +132,23 @@ def save_checkpoint(
 
     def prepare() -> None:
         if partial.exists():
+            if not integrity.stale(partial):
+                raise CheckpointError(f"{str(partial)!r} belongs to a save still running")
             shutil.rmtree(partial)  # left by an interrupted save
         partial.mkdir(parents=True)
+        integrity.claim(partial)
+        _fault("prepared")
 
-    _on_rank0_then_all(prepare, "preparing")
-    dcp.save(flat, checkpoint_id=partial)
-    dist.barrier()  # every rank's files are written
-    _on_rank0_then_all(lambda: _publish(path, partial, previous), "publishing")
+    try:
+        _on_rank0_then_all(prepare, "preparing")
+        dcp.save(flat, checkpoint_id=partial)
+        dist.barrier()  # every rank's files are written
+        manifest = integrity.record_checksums(partial)
+        _on_rank0_then_all(lambda: _fault("written"), "writing")
+        _on_rank0_then_all(lambda: integrity.write_manifest(partial, manifest), "recording checksums")
+        _on_rank0_then_all(lambda: _publish(path, partial, previous, keep_previous), "publishing")
+    finally:
+        integrity.release(partial)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -134,14 +166,28 @@ def load_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
+    *,
+    fallback: bool = False,
 ) -> tuple[int, Any]:
     """Load what ``save_checkpoint`` wrote, at any world size; return ``(step, extra)``.
 
-    Call on every rank. The model and the optimizer's state values are changed only if the
-    whole checkpoint fits and reads cleanly; a fresh optimizer may have had its state
-    initialized (torch's ``get_optimizer_state_dict`` does so) before a refused load.
+    Call on every rank. Every file's checksum is verified first: a flipped byte, a truncated
+    or a missing file raises ``CheckpointError`` naming the file, or, with ``fallback=True``,
+    warns and loads the previous checkpoint (``.<name>.previous``) if that one verifies.
+    The model and the optimizer's state values are changed only if the whole checkpoint fits
+    and reads cleanly; a fresh optimizer may have had its state initialized (torch's
+    ``get_optimizer_state_dict`` does so) before a refused load.
     """
     where = resolve(path)
+    try:
+        integrity.verify(where)
+    except CheckpointError as error:
+        _, previous = _siblings(Path(path))
+        if not fallback or where == previous or not previous.exists():
+            raise
+        warnings.warn(f"{error}\nloading the previous checkpoint {str(previous)!r} instead", stacklevel=2)
+        where = previous
+        integrity.verify(where)
     try:
         metadata = FileSystemReader(where).read_metadata()
     except Exception as error:  # noqa: BLE001 - any failure here means an unusable checkpoint

@@ -19,7 +19,8 @@ def _parity(ranks):
     original = dist.all_gather_single
 
     def record(output, input, group=None, async_op=False):
-        sizes.append(dist.get_world_size(group))
+        if output.dtype != torch.int64:  # not the order-check handshake
+            sizes.append(dist.get_world_size(group))
         return original(output, input, group=group, async_op=async_op)
 
     ids = torch.randint(0, 37, (2, 6))

@@ -1,5 +1,6 @@
 """Execution order, prefetch, the in-flight limit, and the cross-rank order check."""
 
+import os
 import warnings
 from contextlib import contextmanager
 
@@ -133,8 +134,16 @@ def test_in_flight_limit_bounds_unsharded_groups():
 
 
 def _diverging_order():
-    """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train."""
-    model = sharded_lm()
+    """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train.
+
+    Runs in ``tag`` mode, so the 16-byte tag inside the all-gather is what catches it (the
+    default handshake is tested in test_divergence.py).
+    """
+    os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "tag"
+    try:
+        model = sharded_lm()
+    finally:
+        del os.environ["FSDP_COMPOSE_CHECK_ORDER"]
     if dist.get_rank() == 1:
         model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])
     shards = [p for m in model.modules() if (s := state_of(m)) for p in s.group.params]

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from ..output_tensors import output_tensors
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
 from ..state import GroupState, RootState, class_name, states_in
 from .backward import PostBackwardSignal, pre_backward, unshard_with_prefetch
@@ -100,8 +101,7 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
     record_post_forward(root, state)
     if state.reshard_after_forward and not state.is_root:
         state.group.reshard(after_forward=True)
-    flat, _ = tree_flatten(output)
-    for x in flat:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
+    for x in output_tensors(output):
+        if x.requires_grad:
             x.register_hook(lambda grad, state=state: pre_backward(state))
     return output

@@ -1,0 +1,100 @@
+"""Step-time cost of the cross-rank order checks, A/B interleaved on real gloo ranks.
+
+    python benchmarks/bench_order_check.py [--steps 8]
+
+Builds bench_step.py's GPT three times from the same seed, one with FSDP_COMPOSE_CHECK_ORDER=tag
+(in-data tag only), one with the default handshake and one with =strict, and alternates their steps so machine
+load hits both alike; prints the median step time of each and their ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
+
+from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
+
+from benchmarks.bench_step import CONFIG  # noqa: E402
+from fsdp_compose import fully_shard  # noqa: E402
+
+
+def _states(model):
+    from fsdp_compose.runtime.state import state_of
+
+    return {id(s): s for m in model.modules() if (s := state_of(m)) is not None}.values()
+
+
+def build(mode: str):
+    os.environ["FSDP_COMPOSE_CHECK_ORDER"] = mode
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def rank_main(rank: int, world_size: int, port: int, args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    runs = {mode: build(mode) for mode in ("tag", "1", "strict")}
+    times: dict[str, list[float]] = {mode: [] for mode in runs}
+    for step in range(args.steps + 1):
+        for mode in (("tag", "1", "strict") if step % 2 else ("strict", "1", "tag")):
+            model, optimizer = runs[mode]
+            batch = synthetic_batch(CONFIG, args.batch_size, step, rank)
+            dist.barrier()
+            started = time.perf_counter()
+            lm_loss(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step:  # the first step is warm-up
+                times[mode].append(time.perf_counter() - started)
+    # the handshake alone, for a bound that machine noise cannot blur: latency x count per step
+    from fsdp_compose.runtime.handshake import ALL_GATHER, handshake
+
+    group = dist.group.WORLD
+    dist.barrier()
+    started = time.perf_counter()
+    for _ in range(200):
+        handshake(1, ALL_GATHER, 1024, group, str, torch.device("cpu"))
+    latency = (time.perf_counter() - started) / 200
+    gathers = sum(s.group.stats.all_gathers for s in _states(runs["1"][0])) / (args.steps + 1)
+    if rank == 0:
+        print(f"one handshake: {latency * 1e6:.0f} us; {gathers:.0f} all-gathers per step -> "
+              f"{latency * gathers * 1e3:.2f} ms per step added by the default mode")
+        tag, default, strict = (statistics.median(times[m]) for m in ("tag", "1", "strict"))
+        print(f"median step: tag only {tag:.4f}s  default {default:.4f}s ({default / tag:.4f}x)  "
+              f"strict {strict:.4f}s ({strict / tag:.4f}x), {args.steps} interleaved steps each")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    mp.start_processes(rank_main, args=(args.world_size, free_port(), args), nprocs=args.world_size,
+                       start_method="spawn")
+
+
+if __name__ == "__main__":
+    main()

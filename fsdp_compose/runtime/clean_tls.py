@@ -1,0 +1,42 @@
+"""Issue collectives with no Python objects in the thread-local state they capture.
+
+Every c10d ``Work`` copies the calling thread's ``at::ThreadLocalState``. During
+``loss.backward()`` that state holds a Python object (torch stashes a ``contextvars.Context``
+in TLS for the autograd engine), and inside activation checkpointing it holds the saved-tensor
+hooks. gloo's worker thread often drops the last reference to a finished ``Work``; destroying
+a Python object there needs the GIL. If the main thread is in interpreter shutdown at that
+moment, CPython ends the worker thread from inside a ``noexcept`` destructor and the process
+dies with ``terminate called without an active exception`` (SIGABRT) after a successful run.
+Hiding those objects while a collective is issued keeps every ``Work`` free of Python
+references, so its destruction never needs the GIL (see docs/troubleshooting.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+_CONTEXT_KEY = "context"  # torch.autograd.graph._engine_run_backward stashes it during backward
+_autograd = torch._C._autograd
+
+
+@contextmanager
+def python_free_tls() -> Iterator[None]:
+    """Temporarily remove the backward's stashed context and any saved-tensor hooks from TLS."""
+    context = None
+    if torch._C._is_key_in_tls(_CONTEXT_KEY):
+        context = torch._C._get_obj_in_tls(_CONTEXT_KEY)
+        torch._C._remove_obj_from_tls(_CONTEXT_KEY)
+    hooks = []
+    while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
+        hooks.append(top)
+        _autograd._pop_saved_tensors_default_hooks()
+    try:
+        yield
+    finally:
+        for pack, unpack in reversed(hooks):
+            _autograd._push_saved_tensors_default_hooks(pack, unpack)
+        if context is not None:
+            torch._C._stash_obj_in_tls(_CONTEXT_KEY, context)
