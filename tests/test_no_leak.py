@@ -1,6 +1,6 @@
 """500 small training steps at ws 2 keep live tensor bytes flat (issue 12, item 6).
 
-A storage tracker (tests/storage_tracker.py) follows every storage created while training;
+The storage tracker that checks explain()'s prediction (fsdp_compose.observe.storage) follows every storage created while training;
 after warm-up (optimizer state exists from step 1) the live bytes measured after each step
 must not grow. No timing is involved.
 """
@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
-from tests.storage_tracker import StorageTracker
+from fsdp_compose.observe.storage import StorageTracker
 
 STEPS = 500
 
@@ -32,7 +32,7 @@ def _live_bytes_over_steps() -> list[int]:
             opt.zero_grad()
             if step % 50 == 4:
                 gc.collect()
-                samples.append(tracker.live_bytes())
+                samples.append(tracker.current)
     return samples
 
 
