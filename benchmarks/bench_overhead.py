@@ -23,7 +23,7 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import median_time  # noqa: E402
+from benchmarks.common import count_bytes, median_time  # noqa: E402
 
 
 def build(groups: int, dim: int) -> torch.nn.Sequential:
@@ -51,7 +51,7 @@ def check_against_local_tag(enabled: bool) -> None:
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if enabled else "0"
 
 
-def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = False) -> dict[str, float]:
+def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = False, backend: bool = False) -> dict:
     """Best-of-rounds median step time of each kind, on a fresh fake process group of ``world_size``.
 
     ``with_label_cost`` adds the price of the profiler labels, as a line, under "labels"."""
@@ -92,6 +92,8 @@ def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = F
         for name, model in models.items():
             times[name].append(median_time(step(model), args.steps))
     best = {name: min(v) for name, v in times.items()}
+    if backend:  # the world-size comparison: what the fake backend itself costs
+        best["backend"] = fake_backend_floor(step(models["ours"]), world_size)
     if with_label_cost:
         best["labels"] = label_cost(step(models["ours"]), models["ours"])
     dist.destroy_process_group()
@@ -137,8 +139,8 @@ def main() -> None:
 def world_compare(args) -> None:
     """Step time at a large fake world size against the default one, same model (issue 11)."""
     kinds = ["torch", "ours"]
-    small = measure(args.world_size, args.large_groups, args, kinds)
-    large = measure(args.large_world_size, args.large_groups, args, kinds)
+    small = measure(args.world_size, args.large_groups, args, kinds, backend=True)
+    large = measure(args.large_world_size, args.large_groups, args, kinds, backend=True)
     print(f"(e) fake process group, {args.large_groups} groups of Linear({args.dim},{args.dim}) + root, "
           f"step at ws {args.large_world_size} vs ws {args.world_size}:")
     for kind in kinds:
@@ -146,6 +148,34 @@ def world_compare(args) -> None:
               f"{large[kind] / small[kind]:.2f}x")
     ratio = large["ours"] / small["ours"]
     print(f"    target: ours <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'} ({ratio:.2f}x)")
+    for result in (small, large):
+        print(result["backend"][1])
+    own = (large["ours"] - large["backend"][0]) / (small["ours"] - small["backend"][0])
+    print(f"    ours without the fake backend's own cost: {own:.2f}x")
+
+
+def fake_backend_floor(run_step, world_size: int) -> str:
+    """The fake backend's own cost per collective grows with the world size, whatever the bytes:
+    count our collectives in one step and price each with an empty-payload call."""
+    import time
+
+    with count_bytes() as calls:
+        run_step()
+    one = torch.zeros(1, dtype=torch.uint8)
+    out = torch.empty(world_size, dtype=torch.uint8)
+    repeats = 50
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.all_gather_into_tensor(out, one, async_op=True).wait()
+    gather = (time.perf_counter() - start) / repeats
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dist.reduce_scatter_tensor(one, out, async_op=True).wait()
+    scatter = (time.perf_counter() - start) / repeats
+    floor = calls["gather_calls"] * gather + calls["scatter_calls"] * scatter
+    return floor, (f"    fake backend alone at ws {world_size}: {gather * 1e6:.0f} us per all-gather x {calls['gather_calls']} "
+            f"+ {scatter * 1e6:.0f} us per reduce-scatter x {calls['scatter_calls']} = {floor * 1e3:.2f} ms/step "
+            "of ours is the backend's, not ours")
 
 
 def label_cost(run_step, model) -> str:
