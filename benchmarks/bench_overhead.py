@@ -173,9 +173,10 @@ def fake_backend_floor(run_step, world_size: int) -> str:
         dist.reduce_scatter_tensor(one, out, async_op=True).wait()
     scatter = (time.perf_counter() - start) / repeats
     floor = calls["gather_calls"] * gather + calls["scatter_calls"] * scatter
-    return floor, (f"    fake backend alone at ws {world_size}: {gather * 1e6:.0f} us per all-gather x {calls['gather_calls']} "
-            f"+ {scatter * 1e6:.0f} us per reduce-scatter x {calls['scatter_calls']} = {floor * 1e3:.2f} ms/step "
-            "of ours is the backend's, not ours")
+    return floor, (f"    fake backend alone at ws {world_size}: {gather * 1e6:.0f} us per all-gather "
+                   f"x {calls['gather_calls']} "
+                   f"+ {scatter * 1e6:.0f} us per reduce-scatter x {calls['scatter_calls']} = {floor * 1e3:.2f} ms/step "
+                   "of ours is the backend's, not ours")
 
 
 def label_cost(run_step, model) -> str:

@@ -142,7 +142,8 @@ def report(per_rank, world_size: int, args) -> None:
           f"1 thread/rank, {args.rounds} rounds x {args.steps_per_round} steps, medians")
     print(f"(a) step time   torch FSDP2 {t['torch']:.3f}s  ours {t['ours']:.3f}s  compute-only {t['compute']:.3f}s")
     print(f"    ours/torch = {t['ours'] / t['torch']:.3f}  (target <= 0.80)   "
-          f"ours/compute = {t['ours'] / t['compute']:.3f} (target <= 1.08)  torch/compute = {t['torch'] / t['compute']:.3f}")
+          f"ours/compute = {t['ours'] / t['compute']:.3f} (target <= 1.08)  "
+          f"torch/compute = {t['torch'] / t['compute']:.3f}")
     if args.default_malloc:
         print("(c) peak RSS not measured: --default-malloc lets the allocator cache freed memory")
     else:

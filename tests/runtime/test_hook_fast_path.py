@@ -39,7 +39,8 @@ def test_only_a_plain_tuple_of_tensors_without_kwargs_takes_the_fast_path():
 
 def test_cast_floating_matches_the_pytree_walk():
     f32, f16, i64 = torch.randn(3), torch.randn(3).half(), torch.arange(3)
-    for tree in [f32, f16, i64, (f32, i64), (f16, f32, i64), (i64,), (), Pair(f32, i64), [f32, {"x": f16}], (f32, None)]:
+    trees = [f32, f16, i64, (f32, i64), (f16, f32, i64), (i64,), (), Pair(f32, i64), [f32, {"x": f16}], (f32, None)]
+    for tree in trees:
         for dtype in (torch.float16, torch.float32):
             got = cast_floating(tree, dtype)
             assert _same(got, _walked_cast(tree, dtype)), (tree, dtype)
