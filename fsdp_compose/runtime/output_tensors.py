@@ -12,10 +12,21 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import SUPPORTED_NODES, tree_leaves
+
+
+def is_tensor_leaf(x: object) -> bool:
+    """A tensor pytree treats as a leaf (a tensor subclass could register itself as a node)."""
+    return isinstance(x, torch.Tensor) and type(x) not in SUPPORTED_NODES
 
 
 def output_tensors(output: Any) -> Iterator[torch.Tensor]:
+    if is_tensor_leaf(output):  # fast paths: a module's usual outputs skip the pytree walk
+        yield output
+        return
+    if type(output) is tuple and all(is_tensor_leaf(x) for x in output):
+        yield from output
+        return
     for leaf in tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
             yield leaf
