@@ -5,9 +5,9 @@
 With the fake backend every collective returns at once, so a step's time is compute on tiny
 tensors plus the library's own bookkeeping; the compute-only figure (same model, no sharding)
 is subtracted to get the overhead. The last line prices the profiler labels
-(``fsdp_compose::all_gather blocks.3``...) when no profiler is active. The fake backend fills no data, so our order check's tags
-cannot be compared; ``ours`` runs the full check against a locally built tag instead, which
-costs the same work (slightly more: one extra tag build).
+(``fsdp_compose::all_gather blocks.3``...) when no profiler is active. The fake backend moves
+no real data between ranks, so ``ours`` checks each all-gather's tag against a locally built
+one (the same work, plus one tag build); the handshake before each all-gather runs as usual.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def fake_backend_floor(run_step, world_size: int) -> str:
     floor = calls["gather_calls"] * gather + calls["scatter_calls"] * scatter
     return floor, (f"    fake backend alone at ws {world_size}: {gather * 1e6:.0f} us per all-gather "
                    f"x {calls['gather_calls']} "
-                   f"+ {scatter * 1e6:.0f} us per reduce-scatter x {calls['scatter_calls']} = {floor * 1e3:.2f} ms/step "
+                   f"+ {scatter * 1e6:.0f} us per reduce-scatter x {calls['scatter_calls']} "
+                   f"= {floor * 1e3:.2f} ms/step "
                    "of ours is the backend's, not ours")
 
 

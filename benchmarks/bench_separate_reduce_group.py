@@ -14,14 +14,12 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
 import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
@@ -29,6 +27,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
 
 from benchmarks.bench_step import CONFIG  # noqa: E402
+from benchmarks.common import add_step_args, spawn_ranks  # noqa: E402
 
 
 def make_step(base: GPT, separate: bool):
@@ -83,17 +82,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = add_step_args(argparse.ArgumentParser())
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
+    spawn_ranks(rank_main, args)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import statistics
 import sys
 
@@ -29,14 +28,13 @@ if "--default-malloc" not in sys.argv:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
-from benchmarks.common import count_bytes, reset_peak_rss, rss_bytes  # noqa: E402
+from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
 
 CONFIG = GPTConfig(vocab_size=8192, seq_len=128, dim=512, n_heads=8, n_layers=8)
 
@@ -180,18 +178,10 @@ def print_bytes(per_rank, world_size: int, param_bytes: int, mib: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps-per-round", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
+    parser = add_step_args(argparse.ArgumentParser())
     parser.add_argument("--default-malloc", action="store_true", help="time only, with glibc's default allocator")
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
+    spawn_ranks(rank_main, args)
 
 
 if __name__ == "__main__":

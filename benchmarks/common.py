@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import socket
 import statistics
 import time
 from contextlib import contextmanager
@@ -57,3 +59,23 @@ def median_time(fn, repeats: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def add_step_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options every gloo step benchmark shares (ranks, batch, rounds)."""
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps-per-round", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    return parser
+
+
+def spawn_ranks(rank_main, args) -> None:
+    """Run ``rank_main(rank, world_size, port, args)`` on ``args.world_size`` spawned ranks."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(rank_main, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")

@@ -35,7 +35,6 @@ from fsdp_compose import (  # noqa: E402
     save_checkpoint,
 )
 
-
 # the whole process's peak on CPU (torch itself is most of it); tensors alone on an accelerator
 MEMORY_LABEL = "peak alloc" if torch.cuda.is_available() else "peak RSS"
 

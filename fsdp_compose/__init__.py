@@ -7,20 +7,20 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 
 from .api import fully_shard
 from .comm import AllGather, Comm, ReduceScatter
-from .spmd_mesh import DataParallelMeshDims
 from .compat import TorchFSDPPatch, use_as_torch_fsdp
+from .forward_methods import register_fsdp_forward_method
+from .init import init_sharded_parameters, sync_module_states
+from .module import FSDPModule, UnshardHandle
+from .module_knobs import share_comm_ctx
+from .observe.explain import Explanation, collective_bytes, explain
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .runtime.handshake import CollectiveError
+from .runtime.order_check import ExecutionOrderError
+from .spmd_mesh import DataParallelMeshDims
 from .whole_model.checkpoint import exists as checkpoint_exists
 from .whole_model.checkpoint import load_checkpoint, save_checkpoint
 from .whole_model.checkpoint_check import CheckpointError
 from .whole_model.clip import clip_grad_norm_
-from .forward_methods import register_fsdp_forward_method
-from .observe.explain import Explanation, collective_bytes, explain
-from .init import init_sharded_parameters, sync_module_states
-from .module import FSDPModule, UnshardHandle
-from .module_knobs import share_comm_ctx
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .runtime.handshake import CollectiveError
-from .runtime.order_check import ExecutionOrderError
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params
 from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard

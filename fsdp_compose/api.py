@@ -10,16 +10,16 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from .mesh import default_mesh, mesh_device, post_forward_group
+from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
+from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward, pre_forward
-from .mesh import default_mesh, mesh_device, post_forward_group
-from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .runtime.params import ParamPlace
 from .runtime.placement import make_sharded_param, resolve_shard_dim
-from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
-from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
+from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .whole_model.state_dict_hooks import register_state_dict_hooks
 
 

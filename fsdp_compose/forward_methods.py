@@ -13,8 +13,8 @@ import types
 
 from torch import nn
 
-from .runtime.hooks.forward import post_forward, pre_forward
 from .module import FSDPModule
+from .runtime.hooks.forward import post_forward, pre_forward
 from .runtime.state import class_name, state_of
 
 

@@ -54,7 +54,10 @@ class FSDPModuleKnobs:
         overflow) instead of using NCCL's ``PREMUL_SUM``. Not recursive, as in FSDP2.
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-            raise ValueError(f"{self._fsdp_name()}.set_gradient_divide_factor({factor!r}): pass a positive finite number")
+            raise ValueError(
+                f"{self._fsdp_name()}.set_gradient_divide_factor({factor!r}): pass a "
+                f"positive finite number"
+            )
         self._fsdp_state().group.comm.gradient_divide_factor = float(factor)
 
     @deprecated("Use `set_gradient_divide_factor` instead")
@@ -170,14 +173,21 @@ class FSDPModuleKnobs:
         CUDA stream; it is refused for HSDP (as in FSDP2) and on CPU (there are no streams).
         """
         if not callable(hook):
-            raise TypeError(f"{self._fsdp_name()}.set_all_reduce_hook: hook must be callable, got {type(hook).__name__}")
+            raise TypeError(
+                f"{self._fsdp_name()}.set_all_reduce_hook: hook must be callable, got "
+                f"{type(hook).__name__}"
+            )
         group = self._fsdp_state().group
         if stream is not None:
             if group.replicate_group is not None:
-                raise ValueError(f"{self._fsdp_name()}.set_all_reduce_hook: stream cannot be set when using native HSDP")
+                raise ValueError(
+                    f"{self._fsdp_name()}.set_all_reduce_hook: stream cannot be set when "
+                    f"using native HSDP"
+                )
             if group.device.type == "cpu":
                 raise ValueError(
-                    f"{self._fsdp_name()}.set_all_reduce_hook: stream= needs an accelerator; this group computes on CPU, "
+                    f"{self._fsdp_name()}.set_all_reduce_hook: stream= needs an accelerator; "
+                    "this group computes on CPU, "
                     "where the hook runs in program order: leave stream unset"
                 )
             hook = _on_stream(hook, stream)
@@ -198,7 +208,10 @@ class FSDPModuleKnobs:
                 "order: the next forward's all-gathers already start after the optimizer step. Drop the call on CPU"
             )
         if not callable(getattr(event, "wait", None)):
-            raise TypeError(f"{self._fsdp_name()}.set_post_optim_event: expected a torch.Event, got {type(event).__name__}")
+            raise TypeError(
+                f"{self._fsdp_name()}.set_post_optim_event: expected a torch.Event, got "
+                f"{type(event).__name__}"
+            )
         state.group.comm.post_optim_event = event
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
@@ -209,7 +222,10 @@ class FSDPModuleKnobs:
         """
         group = self._fsdp_state().group
         if backend != "NCCL":
-            raise ValueError(f"{self._fsdp_name()}.set_symm_mem_for_comm(backend={backend!r}): only 'NCCL' is supported")
+            raise ValueError(
+                f"{self._fsdp_name()}.set_symm_mem_for_comm(backend={backend!r}): only "
+                f"'NCCL' is supported"
+            )
         used = dist.get_backend(group.process_group)
         if used != "nccl":
             raise ValueError(

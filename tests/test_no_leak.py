@@ -10,9 +10,9 @@ import gc
 import torch
 import torch.distributed as dist
 
+from fsdp_compose.observe.storage import StorageTracker
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
-from fsdp_compose.observe.storage import StorageTracker
 
 STEPS = 500
 

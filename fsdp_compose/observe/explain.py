@@ -80,7 +80,8 @@ class Explanation:
             f"per step: {t.all_gathers} all-gathers, {t.reduce_scatters} reduce-scatters, {t.all_reduces} all-reduces, "
             f"{fmt_bytes(t.bytes_per_step)} counted; each rank sends {fmt_bytes(t.sent_per_step)} "
             f"(3(N-1)/N*P = {fmt_bytes(t.minimum_sent)}: every parameter gathered twice, reduced once)",
-            f"predicted peak per rank {fmt_bytes(t.predicted_peak_bytes)}: parameters {fmt_bytes(t.sharded_param_bytes)}"
+            f"predicted peak per rank {fmt_bytes(t.predicted_peak_bytes)}: "
+            f"parameters {fmt_bytes(t.sharded_param_bytes)}"
             f" + optimizer state {fmt_bytes(t.optimizer_bytes)} ({t.optimizer_source})"
             f" + in flight {fmt_bytes(t.in_flight_peak_bytes)} (gathered groups, buffers, gradients) at {t.peak_at}"
             "; activations not included",
@@ -164,7 +165,10 @@ def explain(
     """
     found = states_in(model)
     if not found:
-        raise ValueError(f"explain({type(model).__name__}): no fully_shard group in this module; call fully_shard first")
+        raise ValueError(
+            f"explain({type(model).__name__}): no fully_shard group in this module; "
+            f"call fully_shard first"
+        )
     states = [s for _, s in found]
     root_of = _roots(model, states)
     roots = set(root_of.values())

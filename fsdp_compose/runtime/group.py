@@ -121,7 +121,9 @@ class ParamGroup:
                 layout, rows = self.layout, self.world_size
                 self._handshake(ALL_GATHER, flat.numel(), self.process_group)
                 with labelled("all_gather", self):
-                    work, gathered = all_gather_flat([flat], layout, self.process_group, self.stats, self.comm.all_gather)
+                    work, gathered = all_gather_flat(
+                        [flat], layout, self.process_group, self.stats, self.comm.all_gather
+                    )
         finish = partial(self._finish_unshard, gathered, layout, rows)
         self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .group import ParamGroup
 from ..policies import MixedPrecisionPolicy
+from .group import ParamGroup
 
 
 @dataclass(eq=False)

@@ -144,7 +144,7 @@ def test_moe_expert_dims_match_unsharded_at_2_3_4_ranks():
     for world in (2, 3, 4):
         results = run_on_ranks(world, _parity, "plain")
         assert_parity(results)
-        for rank, r in enumerate(results):
+        for r in results:
             _check_layout(r["layout"], world)
         # 13 rows of w_in's dim 1: torch.chunk sizes, e.g. 5, 5, 3 at 3 ranks and 4, 4, 4, 1 at 4
         assert [r["layout"]["w_in_local"][1] for r in results] == {2: [7, 6], 3: [5, 5, 3], 4: [4, 4, 4, 1]}[world]
