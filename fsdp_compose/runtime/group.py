@@ -24,6 +24,7 @@ from .order_check import HEADER_BYTES, check_enabled, make_header, verify_header
 from .params import ShardedParam
 from .uids import new_uid
 
+
 class PostForwardShard:
     """What ``reshard_after_forward=<int>`` keeps: an N-way slice of every gathered parameter.
 
