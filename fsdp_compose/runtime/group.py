@@ -22,15 +22,7 @@ from .handshake import ALL_GATHER, REDUCE_SCATTER, handshake, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
-
-_next_uid = 0
-
-
-def _new_uid() -> int:
-    """Groups are numbered in creation order, which agrees across ranks building the same model."""
-    global _next_uid
-    _next_uid += 1
-    return _next_uid
+from .uids import new_uid
 
 
 class PostForwardShard:
@@ -59,7 +51,7 @@ class ParamGroup:
     """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
 
     def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, device: torch.device, label: str) -> None:
-        self.uid = _new_uid()
+        self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
         self.header = make_header(self.uid, device) if check_enabled() else None

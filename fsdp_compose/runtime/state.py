@@ -12,6 +12,7 @@ from torch import nn
 
 from ..policies import MixedPrecisionPolicy
 from .group import ParamGroup
+from .uids import rank_key
 
 
 @dataclass(eq=False)
@@ -77,7 +78,8 @@ class RootState:
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed
 # registry: torch.utils.swap_tensors (used by module.to_empty) refuses tensors with weakrefs.
 _module_states: weakref.WeakKeyDictionary[nn.Module, GroupState] = weakref.WeakKeyDictionary()
-_states_by_uid: weakref.WeakValueDictionary[int, GroupState] = weakref.WeakValueDictionary()
+# keyed by ((rank, world size), uid): ids restart per rank (see uids.py), and threaded ranks share this table
+_states_by_uid: weakref.WeakValueDictionary[tuple[tuple[int, int], int], GroupState] = weakref.WeakValueDictionary()
 _OWNER_ATTR = "_fsdp_compose_owner"
 # FSDPModule and the subclasses fully_shard swaps in (module.py adds them): names skip them
 interface_classes: set[type] = set()
@@ -112,12 +114,12 @@ def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
 def register_state(state: GroupState) -> None:
     for module in state.modules or [state.module]:
         _module_states[module] = state
-    _states_by_uid[state.group.uid] = state
+    _states_by_uid[(rank_key(), state.group.uid)] = state
 
 
 def describe_group(uid: int) -> str:
     """Name a group by the id carried in all-gather tags (ids agree across ranks)."""
-    state = _states_by_uid.get(uid)
+    state = _states_by_uid.get((rank_key(), uid))
     return state.group.label if state is not None else f"<unknown group {uid}>"
 
 

@@ -1,0 +1,81 @@
+"""Ranks run as threads of one process (torch's threaded process group) train like gloo ranks.
+
+PyTorch's own FSDP2 tests run CPU cases with ``FSDPTestMultiThread``: every rank is a thread
+and the tests of one file share a process, with world sizes changing between test classes.
+Group ids used by the handshake must still agree across ranks there (runtime/uids.py): a
+process-wide counter gave rank 1 the ids after rank 0's and every forward raised a false
+``ExecutionOrderError``. The world-size-1 class runs first on purpose: it advances rank 0's
+count only, as a world-size-1 test class before a world-size-2 one does in torch's files.
+"""
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+
+from fsdp_compose import fully_shard
+
+
+def _model() -> nn.Sequential:
+    """The same weights on every rank; a private generator, since threads share torch's global RNG."""
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _shard(model: nn.Sequential) -> nn.Sequential:
+    fully_shard(model[0])
+    fully_shard(model[2])
+    fully_shard(model)
+    return model
+
+
+class _ThreadedRanks(MultiThreadedTestCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_threads()
+
+    def train_against_reference(self, steps: int = 3) -> None:
+        """Sharded training on this rank's half of the batch matches unsharded training on all of it."""
+        reference, model = _model(), _shard(_model())
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        world, rank = dist.get_world_size(), dist.get_rank()
+        for step in range(steps):
+            batch = torch.randn(2 * world, 6, generator=torch.Generator().manual_seed(100 + step))
+            ref_loss = reference(batch).square().mean()
+            ref_loss.backward()
+            local = batch.chunk(world)[rank]
+            loss = model(local).square().mean()
+            loss.backward()
+            losses = [torch.zeros(()) for _ in range(world)]
+            dist.all_gather(losses, loss.detach())
+            torch.testing.assert_close(torch.stack(losses).mean(), ref_loss.detach(), atol=1e-5, rtol=0)
+            for (name, p), ref in zip(model.named_parameters(), reference.parameters()):
+                torch.testing.assert_close(p.grad.full_tensor(), ref.grad, atol=1e-5, rtol=0, msg=name)
+            for o in (ref_opt, opt):
+                o.step()
+                o.zero_grad()
+        for p, ref in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(p.full_tensor(), ref.detach(), atol=1e-5, rtol=0)
+
+
+class TestOneThreadedRank(_ThreadedRanks):
+    @property
+    def world_size(self) -> int:
+        return 1
+
+    def test_trains_like_reference(self) -> None:
+        self.train_against_reference()
+
+
+class TestTwoThreadedRanks(_ThreadedRanks):
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def test_trains_like_reference(self) -> None:
+        self.train_against_reference()
