@@ -10,7 +10,6 @@ Python objects out of the gloo ``Work``'s captured thread-local state.
 """
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -23,17 +22,11 @@ SCRIPT = ROOT / "tests" / "scripts" / "exit_cleanly.py"
 RUNS = int(os.environ.get("FSDP_COMPOSE_EXIT_RUNS", "3"))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run(launcher: str) -> tuple[int, str]:
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(SCRIPT)]
+        # --standalone: the rendezvous binds a free port itself (no pick-then-bind race between runs)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT)]
     else:
         cmd = [sys.executable, str(SCRIPT)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
