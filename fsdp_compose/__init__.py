@@ -7,7 +7,6 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 
 from .api import fully_shard
 from .comm import AllGather, Comm, ReduceScatter
-from .compat import TorchFSDPPatch, use_as_torch_fsdp
 from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
@@ -57,8 +56,6 @@ __all__ = [
     "explain",
     "Explanation",
     "collective_bytes",
-    "use_as_torch_fsdp",
-    "TorchFSDPPatch",
     "ExecutionOrderError",
     "CollectiveError",
 ]

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 import fsdp_compose
-from fsdp_compose import use_as_torch_fsdp
-from fsdp_compose.compat import OUR_NAMES, TORCH_MODULES
 from fsdp_compose.runtime.state import state_of
+from fsdp_compose_compat import OUR_NAMES, TORCH_MODULES, use_as_torch_fsdp
 
 from .harness import run_on_ranks
 from .models import TinyLM, assert_parity, train_against_reference

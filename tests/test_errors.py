@@ -7,18 +7,13 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import fully_shard
+from tests.messages import message
 from tests.models import Block
 
 
 @pytest.fixture(autouse=True)
 def _group(single_rank_group):
     yield
-
-
-def message(fn) -> str:
-    with pytest.raises(Exception) as info:
-        fn()
-    return f"{type(info.value).__name__}: {info.value}"
 
 
 def test_double_apply():

@@ -202,7 +202,8 @@ def _accelerate_parity() -> dict:
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
-    from fsdp_compose import FSDPModule, use_as_torch_fsdp
+    from fsdp_compose import FSDPModule
+    from fsdp_compose_compat import use_as_torch_fsdp
 
     reference = _build("gpt2")
     with use_as_torch_fsdp():

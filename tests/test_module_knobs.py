@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from fsdp_compose import AllGather, MixedPrecisionPolicy, ReduceScatter, fully_shard, share_comm_ctx
 from fsdp_compose.runtime.state import state_of, states_in
 from tests.harness import run_on_ranks
+from tests.messages import message
 from tests.models import (
     Block,
     TinyLM,
@@ -24,14 +25,6 @@ from tests.models import (
     shard_blocks_then_root,
     train_against_reference,
 )
-
-
-def message(fn) -> str:
-    try:
-        fn()
-    except Exception as error:  # noqa: BLE001 - the message is the point
-        return f"{type(error).__name__}: {error}"
-    raise AssertionError("no error raised")
 
 
 # ----- gradient divide factor -----------------------------------------------------------

@@ -8,18 +8,13 @@ from expecttest import assert_expected_inline
 from torch import nn
 
 from fsdp_compose import FSDPModule, fully_shard
+from tests.messages import message
 from tests.models import Block
 
 
 @pytest.fixture(autouse=True)
 def _group(single_rank_group):
     yield
-
-
-def message(fn) -> str:
-    with pytest.raises(Exception) as info:
-        fn()
-    return f"{type(info.value).__name__}: {info.value}"
 
 
 def test_each_call_has_its_own_state():

@@ -7,6 +7,9 @@ torch's FSDP2 modules (every path trainers import from), and the returned handle
 back. Patching an attribute needs the module object, so this one function imports torch's
 modules, through ``importlib`` at call time only: fsdp_compose itself never uses them, and
 nothing happens at ``import fsdp_compose``.
+
+It is a package of its own, beside ``fsdp_compose``, because it is the one place that touches
+torch's FSDP modules: ``fsdp_compose`` itself never names them.
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ import importlib
 import sys
 from types import TracebackType
 
-from .api import fully_shard
-from .comm import AllGather, Comm, ReduceScatter
-from .forward_methods import register_fsdp_forward_method
-from .module import FSDPModule, UnshardHandle
-from .module_knobs import share_comm_ctx
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .spmd_mesh import DataParallelMeshDims
+from fsdp_compose.api import fully_shard
+from fsdp_compose.comm import AllGather, Comm, ReduceScatter
+from fsdp_compose.forward_methods import register_fsdp_forward_method
+from fsdp_compose.module import FSDPModule, UnshardHandle
+from fsdp_compose.module_knobs import share_comm_ctx
+from fsdp_compose.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_compose.spmd_mesh import DataParallelMeshDims
 
 # the public FSDP2 names (all of them: tests/test_surface.py checks), and the comm protocol
 # classes trainers import from the private module
