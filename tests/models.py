@@ -62,6 +62,35 @@ def shard_blocks_then_root(model: TinyLM, **kwargs) -> None:
     fully_shard(model, **kwargs)
 
 
+def train_data_parallel_steps(
+    model: nn.Module,
+    reference: nn.Module,
+    optimizers: tuple[torch.optim.Optimizer, torch.optim.Optimizer],
+    steps: int,
+    dp_rank: int,
+    dp_size: int,
+    after_backward=None,
+) -> list[tuple[float, float]]:
+    """Train ``model`` on its data-parallel slice and ``reference`` on the whole batch, step by step.
+
+    Returns (mean loss across ranks, reference loss) per step; ``after_backward()`` runs after both
+    backwards of a step, before the optimizers, for checks on gradients."""
+    losses = []
+    for step in range(steps):
+        batch = global_batch(step, dp_size)
+        ref_loss = lm_loss(reference, batch)
+        ref_loss.backward()
+        loss = lm_loss(model, local_slice(batch, dp_rank, dp_size))
+        loss.backward()
+        losses.append((mean_across_ranks(loss), ref_loss.item()))
+        if after_backward is not None:
+            after_backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad()
+    return losses
+
+
 def mean_across_ranks(value: torch.Tensor) -> float:
     value = value.detach().clone()
     dist.all_reduce(value)

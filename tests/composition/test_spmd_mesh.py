@@ -6,7 +6,6 @@ import copy
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
@@ -20,7 +19,15 @@ from fsdp_compose import (
     save_checkpoint,
 )
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_grad_diff, max_param_diff
+from tests.models import (
+    TinyLM,
+    global_batch,
+    lm_loss,
+    local_slice,
+    max_grad_diff,
+    max_param_diff,
+    train_data_parallel_steps,
+)
 
 # tensor-parallel layout of each block's MLP on the "tp" dim; everything else is replicated
 TP_PLAN = {"fc1.weight": Shard(0), "fc1.bias": Shard(0), "fc2.weight": Shard(1)}
@@ -100,20 +107,11 @@ def _parity(case: str, path: str | None = None) -> dict:
     }
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    losses, grad_diffs = [], []
-    for step in range(3):
-        batch = global_batch(step, dp_size)
-        ref_loss = lm_loss(reference, batch)
-        ref_loss.backward()
-        loss = lm_loss(model, local_slice(batch, dp_rank, dp_size))
-        loss.backward()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append((mean.item() / dist.get_world_size(), ref_loss.item()))
-        grad_diffs.append(max_grad_diff(model, reference))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    grad_diffs = []
+    losses = train_data_parallel_steps(
+        model, reference, (opt, ref_opt), 3, dp_rank, dp_size,
+        after_backward=lambda: grad_diffs.append(max_grad_diff(model, reference)),
+    )
     batch = global_batch(9, dp_size)
     lm_loss(reference, batch).backward()
     lm_loss(model, local_slice(batch, dp_rank, dp_size)).backward()

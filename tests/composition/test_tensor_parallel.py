@@ -4,13 +4,12 @@ import copy
 import warnings
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdp_compose import fully_shard
 from tests.harness import run_on_ranks
-from tests.models import Block, TinyLM, global_batch, lm_loss, local_slice, max_param_diff
+from tests.models import Block, TinyLM, max_param_diff, train_data_parallel_steps
 
 
 class TPLM(TinyLM):
@@ -43,19 +42,7 @@ def _tp_fsdp():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     dp_rank, dp_size = dp.get_local_rank(), dp.size()
-    losses = []
-    for step in range(4):
-        batch = global_batch(step, dp_size)
-        ref_loss = lm_loss(reference, batch)
-        ref_loss.backward()
-        loss = lm_loss(model, local_slice(batch, dp_rank, dp_size))
-        loss.backward()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append((mean.item() / dist.get_world_size(), ref_loss.item()))
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    losses = train_data_parallel_steps(model, reference, (opt, ref_opt), 4, dp_rank, dp_size)
     return layout, losses, max_param_diff(model, reference)
 
 
