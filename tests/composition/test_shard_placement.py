@@ -34,6 +34,7 @@ from tests.models import (
     max_grad_diff,
     max_param_diff,
     train_against_reference,
+    train_data_parallel_steps,
 )
 
 EXPERTS, EXPERT_HIDDEN = 3, 7
@@ -188,13 +189,7 @@ def _trained_pair():
     shard_moe(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
-    for step in range(2):
-        batch = global_batch(step, world)
-        lm_loss(model, local_slice(batch, rank, world)).backward()
-        lm_loss(reference, batch).backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+    train_data_parallel_steps(model, reference, (opt, ref_opt), 2, rank, world)
     return model, opt, reference
 
 
