@@ -233,6 +233,10 @@ class ShardedParam:
         """
         self.sharded_param = sharded_param
         self.dtype = sharded_param.dtype
+        if self.tp_spec is not None and self.tp_spec.tensor_meta.dtype != self.dtype:
+            # the unsharded TP DTensor is rebuilt from this spec: it must carry the new dtype
+            meta = self.tp_spec.tensor_meta._replace(dtype=self.dtype)
+            self.tp_spec = dataclasses.replace(self.tp_spec, tensor_meta=meta)
         self.requires_grad = sharded_param.requires_grad
         self.layout = layout
         self.unsharded_param = None

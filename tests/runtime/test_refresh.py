@@ -98,6 +98,43 @@ def test_bf16_after_fully_shard_computes_in_bf16():
         assert r["loss"] <= 4 / 64 and r["grad"] <= 1e-2, r
 
 
+def _tensor_parallel_converted() -> dict:
+    """TP x FSDP on a 2 x 2 mesh, converted to float64 after both: the TP DTensors follow too."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(DIM, 8), nn.Tanh(), nn.Linear(8, DIM))
+    model = copy.deepcopy(reference)
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    model.to(torch.float64)
+    reference.to(torch.float64)
+    seen = set()  # what the module computes with: the unsharded TP DTensor
+    model[0].register_forward_pre_hook(lambda m, _: seen.add((m.weight.dtype, m.weight._spec.tensor_meta.dtype)))
+    opt, ref_opt = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (model, reference))
+    dp_rank, worst = mesh["dp"].get_local_rank(), 0.0
+    for step in range(2):
+        batch = _inputs(step, 2).double()
+        ref_loss = _square_mean(reference, batch)
+        ref_loss.backward()
+        loss = _square_mean(model, batch.chunk(2)[dp_rank])
+        loss.backward()
+        worst = max(worst, abs(mean_across_ranks(loss) - ref_loss.item()), _diffs(model, reference, "grad"))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    dtypes = {p.dtype for p in model.parameters()}
+    return {"diff": max(worst, _diffs(model, reference, "param")), "dtypes": dtypes, "seen": seen}
+
+
+def test_float64_after_tensor_parallel_and_fully_shard():
+    for r in run_on_ranks(4, _tensor_parallel_converted):
+        assert r["dtypes"] == {torch.float64} and r["seen"] == {(torch.float64, torch.float64)}, r
+        assert r["diff"] <= 1e-10, r
+
+
 # ----- a parameter replaced after fully_shard ----------------------------------------------
 DIM = 5  # uneven over 2 and 3 ranks
 
