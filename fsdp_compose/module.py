@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .module_knobs import FSDPModuleKnobs
+from .runtime.refresh import refresh_params
 from .runtime.state import GroupState, class_name, interface_classes, state_of, states_in
 
 
@@ -65,6 +66,9 @@ class FSDPModule(FSDPModuleKnobs):
         With ``async_op=True`` the all-gather is only issued; ``handle.wait()`` completes it.
         """
         state = self._fsdp_state()
+        if state.root is None:  # before the first forward: follow parameters replaced or materialized since fully_shard
+            refresh_params(state)
+            state.group.follow_local_devices()
         state.group.start_unshard()
         if async_op:
             return UnshardHandle(state)
@@ -74,6 +78,17 @@ class FSDPModule(FSDPModuleKnobs):
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones again."""
         self._fsdp_state().group.reshard()
+
+    def _apply(self, fn, *args, **kwargs):
+        """``model.to(dtype)``, ``.double()``, ``to_empty(...)``: convert the sharded parameters
+        (resharded first), then let the group follow their new dtype; see ``runtime/refresh.py``."""
+        state = state_of(self)
+        if state is not None:
+            state.group.reshard()
+        out = super()._apply(fn, *args, **kwargs)
+        if state is not None:
+            refresh_params(state)
+        return out
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
         """Turn gradient reduction off for accumulation steps (like DDP's ``no_sync``).

@@ -59,6 +59,15 @@ def _accelerator_type() -> str:
     return default_device_type()
 
 
+def collective_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
+    """The all-gather and reduce-scatter dtypes of a parameter whose own dtype is ``dtype``."""
+    floating = dtype.is_floating_point
+    gather_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype is not None else dtype
+    if floating and mp_policy.reduce_dtype is not None:
+        return gather_dtype, mp_policy.reduce_dtype
+    return gather_dtype, gather_dtype
+
+
 def resolve_layout(
     dtype: torch.dtype,
     compute_device: torch.device,
@@ -68,12 +77,7 @@ def resolve_layout(
     """Where one parameter's shard lives and which dtypes its collectives use."""
     from .runtime.params import ParamLayout
 
-    floating = dtype.is_floating_point
-    gather_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype is not None else dtype
-    if floating and mp_policy.reduce_dtype is not None:
-        reduce_dtype = mp_policy.reduce_dtype
-    else:
-        reduce_dtype = gather_dtype
+    gather_dtype, reduce_dtype = collective_dtypes(dtype, mp_policy)
     offload = isinstance(offload_policy, CPUOffloadPolicy) and compute_device.type != "meta"
     storage_device = torch.device("cpu") if offload else compute_device
     # pinning needs an accelerator; on a CPU-only build the shard is already where it computes

@@ -86,6 +86,17 @@ class ParamGroup:
             self.header = make_header(self.uid, self.device)
         self._all_present.clear()
 
+    def rebuild_layout(self) -> None:
+        """Recompute what depends on the parameters' dtypes and ``requires_grad`` after some
+        were adopted anew (``runtime/refresh.py``); the group must be sharded."""
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in self.params], self.world_size)
+        if self.post_forward is not None:
+            self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
+        self._all_present.clear()
+        self._partial.clear()
+        self._kept = None
+
     # ----- unshard / reshard ------------------------------------------------------------
     def start_unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is in flight.

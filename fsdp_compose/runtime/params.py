@@ -224,6 +224,27 @@ class ShardedParam:
             self._pieces_source = None
         return self.layout.compute_device
 
+    def adopt(self, sharded_param: nn.Parameter, layout: ParamLayout) -> None:
+        """Make ``sharded_param`` (laid out like the current shard) this parameter's shard.
+
+        For a shard whose dtype changed (``model.to(torch.float64)``) or that the user replaced:
+        the unsharded parameter and the buffers sized for the old gather dtype are dropped, and
+        the next unshard builds them anew. The group must be sharded (see ``runtime/refresh.py``).
+        """
+        self.sharded_param = sharded_param
+        self.dtype = sharded_param.dtype
+        if self.tp_spec is not None and self.tp_spec.tensor_meta.dtype != self.dtype:
+            # the unsharded TP DTensor is rebuilt from this spec: it must carry the new dtype
+            meta = self.tp_spec.tensor_meta._replace(dtype=self.dtype)
+            self.tp_spec = dataclasses.replace(self.tp_spec, tensor_meta=meta)
+        self.requires_grad = sharded_param.requires_grad
+        self.layout = layout
+        self.unsharded_param = None
+        self._gather_target = None
+        self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
+        self._pieces_source, self._pieces = None, []
+        self._accumulated_grad = None
+
     def gather_pieces(self) -> list[torch.Tensor]:
         """This rank's all-gather contribution as byte pieces to concatenate.
 

@@ -9,6 +9,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..output_tensors import is_tensor_leaf, output_tensors
+from ..refresh import refresh_params
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
 from ..state import GroupState, RootState, class_name, states_in
 from .backward import PostBackwardSignal, pre_backward, unshard_with_prefetch
@@ -21,6 +22,8 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
     leaves the model as it was and a second try can succeed.
     """
     found = states_in(module)
+    for _, s in found:  # parameters converted or replaced since fully_shard
+        refresh_params(s)
     param_names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
     for name, s in found:
         for p in s.group.params:

@@ -1,0 +1,139 @@
+"""Follow what a sharded module holds now: converted or replaced parameters.
+
+Between ``fully_shard`` and training (and between steps) users change parameters in two ways
+that torch's FSDP2 supports:
+
+- **Conversion** (``model.to(torch.float64)``, ``.double()``, ``.half()``, ``to_empty``):
+  ``nn.Module._apply`` swaps new contents into each sharded DTensor parameter (DTensor is a
+  wrapper subclass, so it swaps with or without
+  ``torch.__future__.set_swap_module_params_on_conversion``). The object stays; its dtype changes.
+- **Replacement** (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``): the
+  module holds a new object, a plain tensor of the full shape or a DTensor.
+
+``refresh_params`` compares each managed parameter with what the module registers and adopts
+the new shard and dtypes; the unsharded buffers are rebuilt on the next unshard. It runs at the
+root's lazy init, after ``_apply`` on an ``FSDPModule``, at an ``unshard()`` before the first
+forward and after ``load_state_dict``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from ..policies import collective_dtypes
+from .params import ShardedParam, contiguous_strides
+from .state import GroupState, class_name, register_owner
+
+
+def refresh_params(state: GroupState) -> None:
+    """Adopt replaced parameters and new dtypes of ``state``'s group; a no-op when nothing changed.
+
+    While the group is unsharded its modules hold the unsharded parameters, so there is nothing
+    to compare; callers that convert the module reshard first.
+    """
+    group = state.group
+    if group.is_unsharded or group.pending_unshard is not None:
+        return
+    changed = False
+    for p in group.params:
+        held = _registered(state, p)
+        if held is not p.sharded_param:
+            held = _as_shard(state, p, held)
+        elif held.dtype == p.dtype and held.requires_grad == p.requires_grad:
+            register_owner(held, state)  # a swap (``_apply``) moved the mark to the discarded object
+            continue
+        gather_dtype, reduce_dtype = collective_dtypes(held.dtype, state.mp_policy)
+        p.adopt(held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype))
+        p.use(unsharded=False)
+        register_owner(held, state)
+        changed = True
+    if changed:
+        group.rebuild_layout()
+
+
+def _registered(state: GroupState, p: ShardedParam) -> torch.Tensor:
+    """The one tensor every place of ``p`` registers now (tied weights: the same in all)."""
+    held = [place.module._parameters.get(place.name) for place in p.places]
+    first = held[0]
+    if first is None:
+        raise ValueError(
+            f"parameter '{p.fqn}' of fully_shard({class_name(state.module)}) was removed or set to None "
+            "after fully_shard; keep it, or pass it in ignored_params"
+        )
+    if any(h is not first for h in held[1:]):
+        paths = {id(m): f"{name}." if name else "" for name, m in state.module.named_modules(remove_duplicate=False)}
+        names = ", ".join(f"'{paths.get(id(place.module), '?.')}{place.name}'" for place in p.places)
+        raise ValueError(
+            f"parameter '{p.fqn}' of fully_shard({class_name(state.module)}) is shared by {names}, and only "
+            "some of them were given a new parameter after fully_shard; assign the same parameter to all of them"
+        )
+    return first
+
+
+def _as_shard(state: GroupState, p: ShardedParam, new: torch.Tensor) -> nn.Parameter:
+    """``new`` (a full tensor, or a DTensor on the shard's mesh) laid out like ``p``'s shard."""
+    target = p.sharded_param
+    where = f"parameter '{p.fqn}' of fully_shard({class_name(state.module)})"
+    if new.shape != p.shape:
+        raise ValueError(
+            f"{where} was replaced by a tensor of shape {tuple(new.shape)} after fully_shard sharded it "
+            f"with shape {tuple(p.shape)}; a replacement must keep the shape"
+        )
+    with torch.no_grad():
+        if isinstance(new, DTensor):
+            if new.device_mesh != target.device_mesh:
+                raise ValueError(
+                    f"{where} was replaced by a DTensor on {new.device_mesh}; pass a plain tensor of the "
+                    f"full shape or a DTensor on the shard's mesh {target.device_mesh}"
+                )
+            same_layout = tuple(new.placements) == tuple(target.placements)
+            if same_layout and isinstance(new, nn.Parameter) and _usable_local(p, new._local_tensor):
+                return new  # already a shard like ours: keep the user's object (torch does too)
+            local = new if same_layout else new.redistribute(target.device_mesh, target.placements)
+            local = local._local_tensor
+        else:
+            if p.tp_spec is not None:
+                raise ValueError(
+                    f"{where} is tensor-parallel and was replaced by a plain tensor; replace it by a "
+                    f"DTensor on {target.device_mesh}"
+                )
+            start, end = p.row_range
+            local = new.detach().narrow(p.shard_dim, start, end - start)
+        storage = p.layout.storage_device
+        local = local.detach().to(new.device if storage.type == "meta" else storage)
+        local = local.clone(memory_format=torch.contiguous_format)
+        if p.layout.pin_memory:
+            local = local.pin_memory()
+        shard = DTensor.from_local(
+            local,
+            target.device_mesh,
+            target.placements,
+            run_check=False,
+            shape=p.shape,
+            stride=contiguous_strides(p.shape),
+        )
+    shard = nn.Parameter(shard, requires_grad=new.requires_grad)
+    return _in_place_of(new, shard) if isinstance(new, DTensor) else shard
+
+
+def _in_place_of(new: DTensor, shard: nn.Parameter) -> nn.Parameter:
+    """``new``'s object holding ``shard``, so references taken before (an optimizer built before the
+    first forward) see the shard; ``shard`` itself where torch cannot swap (``new`` is referenced
+    elsewhere, e.g. by autograd). A plain tensor cannot take a DTensor's contents at all."""
+    shard.__dict__.update(new.__dict__)  # the user's attributes stay with the user's object
+    try:
+        torch.utils.swap_tensors(new, shard)
+    except RuntimeError:
+        return shard
+    return new
+
+
+def _usable_local(p: ShardedParam, local: torch.Tensor) -> bool:
+    """A local tensor the group can gather from as it is: our shard shape, contiguous, where shards live."""
+    storage = p.layout.storage_device
+    placed = storage.type == "meta" or local.device == storage
+    return local.shape == p.local_shape and local.is_contiguous() and placed
