@@ -144,8 +144,9 @@ def report(per_rank, world_size: int, args) -> None:
           f"ours/compute = {t['ours'] / t['compute']:.3f} (target <= 1.08)  "
           f"torch/compute = {t['torch'] / t['compute']:.3f}")
     cpu = {k: statistics.median(per_rank[0][k]["cpu"]) for k in ("torch", "ours", "compute")}
-    print(f"    CPU seconds per step (rank 0, all its threads; less sensitive to other load): torch {cpu['torch']:.3f}  "
-          f"ours {cpu['ours']:.3f}  compute-only {cpu['compute']:.3f}  ours/compute = {cpu['ours'] / cpu['compute']:.3f}")
+    print("    CPU seconds per step (rank 0, all its threads; less sensitive to other load): "
+          f"torch {cpu['torch']:.3f}  ours {cpu['ours']:.3f}  compute-only {cpu['compute']:.3f}  "
+          f"ours/compute = {cpu['ours'] / cpu['compute']:.3f}")
     if args.default_malloc:
         print("(c) peak RSS not measured: --default-malloc lets the allocator cache freed memory")
     else:
