@@ -93,7 +93,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     kinds = ["torch", "ours", "compute"]
-    results = {k: {"times": [], "peak": 0, "live": 0, "bytes": None, "losses": []} for k in kinds}
+    results = {k: {"times": [], "cpu": [], "peak": 0, "live": 0, "bytes": None, "losses": []} for k in kinds}
     for kind in kinds:  # one at a time, so each peak sees only its own model
         torch.manual_seed(0)
         baseline = rss_bytes()
@@ -116,10 +116,11 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     for _ in range(args.rounds):
         for kind in kinds:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()  # process: gloo's threads too
             for _ in range(args.steps_per_round):
                 results[kind]["step"](args.batch_size)
             results[kind]["times"].append((time.perf_counter() - start) / args.steps_per_round)
+            results[kind]["cpu"].append((time.process_time() - cpu_start) / args.steps_per_round)
     for kind in kinds:
         del results[kind]["step"]
     gathered = [None] * world_size
@@ -142,6 +143,10 @@ def report(per_rank, world_size: int, args) -> None:
     print(f"    ours/torch = {t['ours'] / t['torch']:.3f}  (target <= 0.80)   "
           f"ours/compute = {t['ours'] / t['compute']:.3f} (target <= 1.08)  "
           f"torch/compute = {t['torch'] / t['compute']:.3f}")
+    cpu = {k: statistics.median(per_rank[0][k]["cpu"]) for k in ("torch", "ours", "compute")}
+    print("    CPU seconds per step (rank 0, all its threads; less sensitive to other load): "
+          f"torch {cpu['torch']:.3f}  ours {cpu['ours']:.3f}  compute-only {cpu['compute']:.3f}  "
+          f"ours/compute = {cpu['ours'] / cpu['compute']:.3f}")
     if args.default_malloc:
         print("(c) peak RSS not measured: --default-malloc lets the allocator cache freed memory")
     else:

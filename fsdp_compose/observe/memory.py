@@ -1,10 +1,13 @@
 """Predict the per-rank peak of one training step by replaying the schedule on byte counts.
 
 The replay follows the runtime's rules (hooks/forward.py, hooks/backward.py, schedule.py):
-a group's all-gather output and its unsharded parameters coexist during copy-out; prefetched
-gathers are in flight while a group computes; non-root groups free after forward (keeping a
-slice under ``reshard_after_forward=<int>``); backward re-gathers in reverse post-forward
-order; a finished group's unsharded gradients, reduce-scatter input and output coexist;
+the all-gather input is this rank's row of the output (no separate send buffer); a group's
+all-gather output and its unsharded parameters coexist during copy-out, and its prefetch
+targets are issued only after that copy-out; prefetched gathers are in flight while a group
+computes; non-root groups free after forward (keeping a slice under
+``reshard_after_forward=<int>``); backward re-gathers in reverse post-forward order; a finished
+group frees its unsharded parameters, then builds the reduce-scatter input (the unsharded
+gradients die once it is built), then allocates the output;
 at most ``reduce_limit`` reductions stay in flight (their inputs too, unless the backend copies
 them, as gloo does). Activations are not modelled.
 It describes a step after the first (the first records the order and prefetches no forward
@@ -107,8 +110,7 @@ def replay(
         if s in kept:  # re-gather from the slice kept after forward
             kept.discard(s)
             live.add(("gathered", s), size.kept_gathered, "")
-        else:
-            live.add(("send", s), size.send, "")
+        else:  # the send buffer is the output's own row
             live.add(("gathered", s), size.gathered, "")
         pending.add(s)
 
@@ -117,7 +119,7 @@ def replay(
             return
         pending.discard(s)
         live.add(("unsharded", s), sizes[s].unsharded, where)  # copy-out: buffer and target coexist
-        for kind in ("gathered", "send", "kept"):
+        for kind in ("gathered", "kept"):
             live.drop((kind, s))
         unsharded.add(s)
 
@@ -132,9 +134,9 @@ def replay(
 
     def unshard_with_prefetch(s: GroupState, targets: list[GroupState], where: str) -> None:
         start(s)
+        wait(s, where)
         for t in targets:
             start(t)
-        wait(s, where)
 
     # ----- forward ------------------------------------------------------------------------
     open_calls: list[Call] = []
@@ -183,16 +185,19 @@ def replay(
             return
         post_done.add(s)
         size = sizes[s]
+        if s.reshard_after_backward:
+            reshard(s, after_forward=False)
         if size.reduce_tables:
             where = f"reduce-scatter {names[s]}"
             for i, (table, output) in enumerate(zip(size.reduce_tables, size.reduce_outputs)):
                 live.add(("rows", s, i), size.row_copies[i], where)
                 live.add(("table", s, i), table, where)
-                live.add(("output", s, i), output, where)
                 live.drop(("rows", s, i))
+                if i == len(size.reduce_tables) - 1:
+                    live.drop(("grads", s))
+                live.add(("output", s, i), output, where)
                 if not reduce_input_held:
                     live.drop(("table", s, i))
-            live.drop(("grads", s))
             reducing.append(s)
             while len(reducing) > reduce_limit:
                 oldest = reducing.pop(0)
@@ -200,8 +205,6 @@ def replay(
                     finish_reduce(oldest, i)
         else:
             live.drop(("grads", s))
-        if s.reshard_after_backward:
-            reshard(s, after_forward=False)
 
     last = max((c.end for c in calls), default=-1)
     by_end: dict[int, list[Call]] = {}

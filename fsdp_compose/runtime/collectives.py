@@ -59,6 +59,7 @@ class PendingCollective:
         work, self.work = self.work, None  # a gloo Work kept alive past shutdown aborts the process at exit
         if work is not None:
             wait_named(work, self.what)
+            work = None  # drop the backend's hold on the input before copy-out allocates
         on_done, self.on_done = self.on_done, None
         on_done()
 
@@ -76,17 +77,28 @@ class GatherLayout:
 
 
 def all_gather_flat(
-    pieces: list[torch.Tensor], layout: GatherLayout, group, stats: CommStats, comm=None
+    pieces: list[torch.Tensor], layout: GatherLayout, group, stats: CommStats, comm=None, rank: int | None = None
 ) -> tuple[object, torch.Tensor]:
     """Start one all-gather of the concatenated pieces; return (work, (world, total) output).
 
+    Several pieces are concatenated straight into this rank's row of the output, which then
+    is the collective's input: no separate copy-in buffer is allocated or held while the
+    gather is in flight. A single piece is sent as it is (no copy at all).
     ``comm`` (an ``AllGather``-protocol object) allocates the output and runs the collective.
     """
-    flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
+    first = pieces[0]
+    numel = sum(p.numel() for p in pieces)
     if comm is None:
-        output = flat.new_empty(layout.world_size * flat.numel())
+        output = first.new_empty(layout.world_size * numel)
     else:
-        output = comm.allocate((layout.world_size * flat.numel(),), dtype=flat.dtype, device=flat.device)
+        output = comm.allocate((layout.world_size * numel,), dtype=first.dtype, device=first.device)
+    if len(pieces) > 1:
+        if rank is None:
+            rank = dist.get_rank(group)
+        flat = output[rank * numel : (rank + 1) * numel]
+        torch.cat(pieces, out=flat)
+    else:
+        flat = first.contiguous()
     stats.all_gathers += 1
     stats.all_gather_bytes += output.numel() * output.element_size()
     if comm is None:
@@ -110,6 +122,8 @@ def reduce_scatter_rows(
 ) -> tuple[object, torch.Tensor]:
     """Start one reduce-scatter (sum) of column blocks; rank r receives row r.
 
+    Empties ``rows`` once they are copied into the table, so the unsharded gradients they
+    refer to are freed before the output is allocated and while the collective is in flight.
     ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
     """
     if comm is None:
@@ -119,6 +133,7 @@ def reduce_scatter_rows(
         buffer = comm.allocate((rows[0].shape[0] * width,), dtype=rows[0].dtype, device=rows[0].device)
         table = buffer.view(rows[0].shape[0], width)
         torch.cat(rows, dim=1, out=table)
+    rows.clear()
     if pre_divide != 1:
         table.div_(pre_divide)
     if comm is None:

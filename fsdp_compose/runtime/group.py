@@ -65,6 +65,7 @@ class ParamGroup:
         # all-reduce of the reduced shards across the replicate dim
         self.world_size = mesh.size(mesh.ndim - 1)
         self.process_group = mesh.get_group(mesh.ndim - 1)
+        self.rank = mesh.get_local_rank(mesh.ndim - 1)  # this rank's row of the all-gather output
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.dp_size = mesh.size()
         self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
@@ -116,16 +117,15 @@ class ParamGroup:
                 with labelled("all_gather", self):
                     work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
             else:
-                with labelled("copy_in", self):
+                with labelled("copy_in", self):  # casts/moves shards where needed; no concatenation here
                     pieces = [] if self.header is None else [self.header]
                     for p in self.params:
                         pieces.extend(p.gather_pieces())
-                    flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
                 layout, rows = self.layout, self.world_size
-                self._handshake(ALL_GATHER, flat.numel(), self.process_group)
-                with labelled("all_gather", self):
+                self._handshake(ALL_GATHER, sum(p.numel() for p in pieces), self.process_group)
+                with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
-                        [flat], layout, self.process_group, self.stats, self.comm.all_gather
+                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows)
         self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
@@ -204,6 +204,7 @@ class ParamGroup:
                 grads = [p.unsharded_grad() for p in params]
                 rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
                 rows.append(self._flag_rows(dtype, [g is not None for g in grads]))
+                del grads  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 for p in params:
                     p.clear_unsharded_grad()
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)

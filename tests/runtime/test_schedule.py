@@ -83,24 +83,25 @@ def test_recorded_order_drives_prefetch():
 'blocks.2' (Block)
 '<root>' (TinyLM)""",
     )
-    # each group's all-gather is issued one group ahead of its wait
+    # each group's all-gather is issued one group ahead of its wait, right after the previous
+    # group's copy-out (so two gather buffers never coexist)
     assert_expected_inline(
         "\n".join(events),
         """\
 gather '<root>' (TinyLM)
-gather 'blocks.0' (Block)
   wait '<root>' (TinyLM)
-gather 'blocks.1' (Block)
+gather 'blocks.0' (Block)
   wait 'blocks.0' (Block)
-gather 'blocks.2' (Block)
+gather 'blocks.1' (Block)
   wait 'blocks.1' (Block)
+gather 'blocks.2' (Block)
   wait 'blocks.2' (Block)
 -- backward
 gather 'blocks.2' (Block)
-gather 'blocks.1' (Block)
   wait 'blocks.2' (Block)
-gather 'blocks.0' (Block)
+gather 'blocks.1' (Block)
   wait 'blocks.1' (Block)
+gather 'blocks.0' (Block)
   wait 'blocks.0' (Block)""",
     )
 
@@ -220,20 +221,20 @@ def test_explicit_prefetch():
 gather '<root>' (TinyLM)
   wait '<root>' (TinyLM)
 gather 'blocks.0' (Block)
+  wait 'blocks.0' (Block)
 gather 'blocks.1' (Block)
 gather 'blocks.2' (Block)
-  wait 'blocks.0' (Block)
-gather 'blocks.3' (Block)
   wait 'blocks.1' (Block)
+gather 'blocks.3' (Block)
   wait 'blocks.2' (Block)
   wait 'blocks.3' (Block)
 -- backward
 gather 'blocks.3' (Block)
+  wait 'blocks.3' (Block)
 gather 'blocks.2' (Block)
 gather 'blocks.1' (Block)
-  wait 'blocks.3' (Block)
-gather 'blocks.0' (Block)
   wait 'blocks.2' (Block)
+gather 'blocks.0' (Block)
   wait 'blocks.1' (Block)
   wait 'blocks.0' (Block)""",
     )

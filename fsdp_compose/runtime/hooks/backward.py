@@ -39,15 +39,15 @@ def queue_end_of_backward(root: RootState) -> None:
 
 
 def unshard_with_prefetch(state: GroupState, targets: list[GroupState]) -> None:
-    """Issue our all-gather, then the targets', then wait only for ours.
+    """Finish our all-gather (usually prefetched already), then issue the targets'.
 
     Every rank issues the same all-gathers in the same order, so the prefetched ones move
-    bytes on gloo's threads while this group computes.
+    bytes on gloo's threads while this group computes. Issuing them after our copy-out means
+    our gather buffer is freed before theirs is allocated (one group's buffer less at the peak).
     """
-    state.group.start_unshard()
+    state.group.unshard()
     for target in targets:
         target.group.start_unshard()
-    state.group.wait_unshard()
 
 
 def pre_backward(state: GroupState) -> None:
@@ -86,6 +86,8 @@ def post_backward(state: GroupState) -> None:
         return
     state.post_backward_done = True
     group = state.group
+    if state.reshard_after_backward:  # the gradients are separate tensors: free the parameters first
+        group.reshard()
     if group.trainable and state.requires_gradient_sync:
         group.start_reduce(all_reduce=state.requires_all_reduce)
         reducing = state.root.reducing
@@ -96,8 +98,6 @@ def post_backward(state: GroupState) -> None:
     elif group.trainable:  # no-sync micro-batch: keep summing in the reduce dtype
         for p in group.trainable:
             p.stash_grad()
-    if state.reshard_after_backward:
-        group.reshard()
 
 
 def end_of_backward(root: RootState) -> None:
