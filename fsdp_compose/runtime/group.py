@@ -18,7 +18,7 @@ from .collectives import (
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
-from .handshake import ALL_GATHER, REDUCE_SCATTER, handshake, handshake_kinds
+from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
 from .params import ShardedParam
@@ -55,7 +55,7 @@ class ParamGroup:
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
         self.header = make_header(self.uid, device) if check_enabled() else None
-        self.handshake = handshake_kinds()
+        self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.mesh = mesh
@@ -84,6 +84,7 @@ class ParamGroup:
             self.device = p.follow_local_device()
         if self.header is not None and self.header.device != self.device:
             self.header = make_header(self.uid, self.device)
+        self.handshakes.follow_device(self.device)
         self._all_present.clear()
 
     # ----- unshard / reshard ------------------------------------------------------------
@@ -120,8 +121,7 @@ class ParamGroup:
         self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
 
     def _handshake(self, kind: int, nbytes: int, group) -> None:
-        if kind in self.handshake:
-            handshake(self.uid, kind, nbytes, group, self.describe, self.device)
+        self.handshakes.check(kind, nbytes, group, self.describe)
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
         if self.header is not None:
