@@ -20,7 +20,7 @@ from .collectives import (
 from .comm_options import CommOptions
 from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, handshake_kinds
 from .labels import labelled
-from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
+from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
 from .params import ShardedParam
 from .uids import new_uid
 
@@ -54,7 +54,7 @@ class ParamGroup:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
-        self.header = make_header(self.uid, device) if check_enabled() else None
+        self.header = make_header(self.uid, device) if tag_in_data() else None
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
