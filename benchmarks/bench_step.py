@@ -1,6 +1,7 @@
 """Benchmark (a), (c), (d): step time, peak memory and bytes moved on real gloo ranks.
 
     python benchmarks/bench_step.py            # ws 2, GPT ~34M params, batch 4x128, 1 thread/rank
+    python benchmarks/bench_step.py --check-off   # also ours without the divergence handshake: its cost
 
 Each rank builds the same model from the same seed and trains it three ways, interleaved
 round by round so drift in machine load hits all three alike: torch's FSDP2
@@ -36,6 +37,7 @@ from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
 
+OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved
 CONFIG = GPTConfig(vocab_size=8192, seq_len=128, dim=512, n_heads=8, n_layers=8)
 
 
@@ -56,6 +58,19 @@ def make_runner(kind: str, base: GPT):
         from fsdp_compose import fully_shard
 
         shard(model, fully_shard)
+    elif kind == OURS_UNCHECKED:  # the mode is read when fully_shard runs (runtime/handshake.py)
+        from fsdp_compose import fully_shard
+        from fsdp_compose.runtime.order_check import CHECK_ENV
+
+        before = os.environ.get(CHECK_ENV)
+        os.environ[CHECK_ENV] = "0"
+        try:
+            shard(model, fully_shard)
+        finally:
+            if before is None:
+                del os.environ[CHECK_ENV]
+            else:
+                os.environ[CHECK_ENV] = before
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"step": 0}
 
@@ -92,7 +107,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    kinds = ["torch", "ours", "compute"]
+    kinds = ["torch", "ours"] + ([OURS_UNCHECKED] if args.check_off else []) + ["compute"]
     results = {k: {"times": [], "peak": 0, "live": 0, "bytes": None, "losses": []} for k in kinds}
     for kind in kinds:  # one at a time, so each peak sees only its own model
         torch.manual_seed(0)
@@ -113,8 +128,8 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         dist.barrier()
         results[kind]["live"] = step.tracked_peak(args.batch_size)
         results[kind]["step"] = step
-    for _ in range(args.rounds):
-        for kind in kinds:
+    for round_ in range(args.rounds):
+        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:  # alternate who goes first
             dist.barrier()
             start = time.perf_counter()
             for _ in range(args.steps_per_round):
@@ -151,6 +166,13 @@ def report(per_rank, world_size: int, args) -> None:
     print(f"    ours/torch = {live['ours'] / live['torch']:.3f}  (target <= 0.90)   "
           f"ours/compute = {live['ours'] / live['compute']:.3f}")
     print_bytes(per_rank, world_size, param_bytes, mib)
+    if args.check_off:
+        off = statistics.median(per_rank[0][OURS_UNCHECKED]["times"])
+        rounds = per_rank[0]["ours"]["times"], per_rank[0][OURS_UNCHECKED]["times"]
+        paired = statistics.median(a / b for a, b in zip(*rounds))
+        print(f"(f) divergence handshake (issue 12): ours default {t['ours']:.3f}s  checks off {off:.3f}s  "
+              f"default/off = {t['ours'] / off:.4f} (ratio of medians), {paired:.4f} (median of per-round "
+              "ratios); target <= 1.02")
     ours_losses, torch_losses = per_rank[0]["ours"]["losses"], per_rank[0]["torch"]["losses"]
     print(f"    same losses as torch FSDP2: max |diff| over {len(ours_losses)} steps "
           f"{max(abs(a - b) for a, b in zip(ours_losses, torch_losses)):.2e}")
@@ -180,6 +202,8 @@ def print_bytes(per_rank, world_size: int, param_bytes: int, mib: int) -> None:
 def main() -> None:
     parser = add_step_args(argparse.ArgumentParser())
     parser.add_argument("--default-malloc", action="store_true", help="time only, with glibc's default allocator")
+    parser.add_argument("--check-off", action="store_true",
+                        help="also run ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved, and print default/off")
     args = parser.parse_args()
     spawn_ranks(rank_main, args)
 
