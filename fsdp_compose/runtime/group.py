@@ -18,6 +18,7 @@ from .collectives import (
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
+from .grad_off import grad_off
 from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
@@ -98,7 +99,7 @@ class ParamGroup:
             if not self.params:
                 self.is_unsharded = True
             return
-        with torch.no_grad():
+        with grad_off():
             if self._kept is not None:
                 kept, self._kept = self._kept, None
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
@@ -127,7 +128,7 @@ class ParamGroup:
         if self.header is not None:
             verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
-        with torch.no_grad():
+        with grad_off():
             with labelled("copy_out", self):
                 targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
@@ -158,7 +159,7 @@ class ParamGroup:
             self._kept = self._kept if after_forward else None
             return
         if after_forward and self.post_forward is not None:
-            with torch.no_grad():
+            with grad_off():
                 self._kept = self.post_forward.keep(self.header, [p.gathered_rows() for p in self.params])
         else:
             self._kept = None
@@ -188,7 +189,7 @@ class ParamGroup:
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for p in self.trainable:
             by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
-        with torch.no_grad():
+        with grad_off():
             for dtype, params in by_dtype.items():
                 grads = [p.unsharded_grad() for p in params]
                 rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
