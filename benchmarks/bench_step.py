@@ -101,6 +101,29 @@ def make_runner(kind: str, base: GPT):
     return step
 
 
+def time_handshakes() -> dict:
+    """From now on, add up the wall time this rank spends in divergence handshakes (issue, wait,
+    compare). Only ours in the default mode runs them. An upper bound on their cost: the wait
+    includes any lag of the other rank, which the all-gather after it would wait for anyway."""
+    import time
+
+    from fsdp_compose.runtime import handshake as module
+
+    spent = {"seconds": 0.0, "calls": 0}
+    original = module.run
+
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent["seconds"] += time.perf_counter() - start
+            spent["calls"] += 1
+
+    module.run = timed
+    return spent
+
+
 def rank_main(rank: int, world_size: int, port: int, args) -> None:
     import time
 
@@ -128,6 +151,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         dist.barrier()
         results[kind]["live"] = step.tracked_peak(args.batch_size)
         results[kind]["step"] = step
+    handshakes = time_handshakes()
     for round_ in range(args.rounds):
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:  # alternate who goes first
             dist.barrier()
@@ -137,6 +161,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             results[kind]["times"].append((time.perf_counter() - start) / args.steps_per_round)
     for kind in kinds:
         del results[kind]["step"]
+    results["handshakes"] = dict(handshakes, steps=args.rounds * args.steps_per_round)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -173,6 +198,11 @@ def report(per_rank, world_size: int, args) -> None:
         print(f"(f) divergence handshake (issue 12): ours default {t['ours']:.3f}s  checks off {off:.3f}s  "
               f"default/off = {t['ours'] / off:.4f} (ratio of medians), {paired:.4f} (median of per-round "
               "ratios); target <= 1.02")
+    spent = per_rank[0]["handshakes"]
+    per_step = spent["seconds"] / spent["steps"]
+    print(f"    time inside handshakes (rank 0, wall): {spent['calls'] / spent['steps']:.0f} per step, "
+          f"{per_step * 1e3:.2f} ms per step = {per_step / t['ours']:.2%} of ours' median step "
+          f"({per_step / spent['calls'] * spent['steps'] * 1e6:.0f} us each)")
     ours_losses, torch_losses = per_rank[0]["ours"]["losses"], per_rank[0]["torch"]["losses"]
     print(f"    same losses as torch FSDP2: max |diff| over {len(ours_losses)} steps "
           f"{max(abs(a - b) for a, b in zip(ours_losses, torch_losses)):.2e}")
@@ -196,7 +226,7 @@ def print_bytes(per_rank, world_size: int, param_bytes: int, mib: int) -> None:
               f"reduce-scatter {moved['scatter'] / mib:.2f} MiB in {moved['scatter_calls']} calls, "
               f"total {total / mib:.2f} MiB = {total / theory:.4f} x 3(N-1)/N*P = {total / minimum:.5f} x minimum")
     print(f"    minimum for this configuration {minimum / mib:.2f} MiB: the root is not resharded after forward "
-          "in either library, so its backward all-gather is skipped; the excess is padding and our 16-byte tags")
+          "in either library, so its backward all-gather is skipped; the excess is padding")
 
 
 def main() -> None:
