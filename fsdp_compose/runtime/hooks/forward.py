@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..output_tensors import is_tensor_leaf, output_tensors
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
 from ..state import GroupState, RootState, class_name, states_in
-from .backward import PostBackwardSignal, pre_backward, unshard_with_prefetch
+from .backward import pre_backward, signal_post_backward, unshard_with_prefetch
 
 
 def lazy_init(state: GroupState, module: nn.Module) -> None:
@@ -55,20 +55,18 @@ def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) ->
         positions = [i for i, x in enumerate(args) if x.requires_grad]
         if not positions:
             return args, kwargs
-        outputs = PostBackwardSignal.apply(state, *(args[i] for i in positions))
+        outputs = signal_post_backward(state, [args[i] for i in positions])
         flat = list(args)
         for i, out in zip(positions, outputs):
             flat[i] = out
-        state.inputs_pending += 1
         return tuple(flat), {}
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
-    outputs = PostBackwardSignal.apply(state, *(flat[i] for i in positions))
+    outputs = signal_post_backward(state, [flat[i] for i in positions])
     for i, out in zip(positions, outputs):
         flat[i] = out
-    state.inputs_pending += 1
     return tree_unflatten(flat, spec)
 
 
