@@ -16,6 +16,7 @@ import argparse
 import copy
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -88,9 +89,10 @@ def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = F
         for _ in range(3):
             step(model)()
     times = {name: [] for name in models}
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     for _ in range(args.rounds):
         for name, model in models.items():
-            times[name].append(median_time(step(model), args.steps))
+            times[name].append(median_time(step(model), args.steps, clock))
     best = {name: min(v) for name, v in times.items()}
     if backend:  # the world-size comparison: what the fake backend itself costs
         best["backend"] = fake_backend_floor(step(models["ours"]), world_size)
@@ -109,12 +111,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--large-world-size", type=int, default=1024, help="0 skips the world-size comparison")
     parser.add_argument("--large-groups", type=int, default=48)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time each step by this thread's CPU time (the fake group runs on it alone), "
+                        "not wall time: far less disturbed by other jobs on a shared machine")
     args = parser.parse_args()
     torch.set_num_threads(1)
     kinds = ["compute", "torch", "ours", "ours, order check off"]
     layer = f"Linear({args.dim},{args.dim})"
     print(f"(b) fake process group, ws {args.world_size}, N groups of {layer} + root; "
-          f"forward+backward per step, best of {args.rounds} rounds of median-of-{args.steps}")
+          f"forward+backward per step, best of {args.rounds} rounds of median-of-{args.steps}"
+          f"{', thread CPU time' if args.cpu_time else ''}")
     print(f"    {'groups':>6s} {'compute':>8s} {'torch':>8s} {'ours':>8s} {'ours,nochk':>10s}   ms/step  |  "
           f"overhead us/group: {'torch':>6s} {'ours':>6s} {'nochk':>6s}  | ours/torch")
     ratios, per_group, labels = [], [], ""

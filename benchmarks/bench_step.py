@@ -1,6 +1,7 @@
 """Benchmark (a), (c), (d): step time, peak memory and bytes moved on real gloo ranks.
 
     python benchmarks/bench_step.py            # ws 2, GPT ~34M params, batch 4x128, 1 thread/rank
+    python benchmarks/bench_step.py --check-off   # also ours without the divergence handshake: its cost
 
 Each rank builds the same model from the same seed and trains it three ways, interleaved
 round by round so drift in machine load hits all three alike: torch's FSDP2
@@ -36,6 +37,7 @@ from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
 
+OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved
 CONFIG = GPTConfig(vocab_size=8192, seq_len=128, dim=512, n_heads=8, n_layers=8)
 
 
@@ -56,6 +58,19 @@ def make_runner(kind: str, base: GPT):
         from fsdp_compose import fully_shard
 
         shard(model, fully_shard)
+    elif kind == OURS_UNCHECKED:  # the mode is read when fully_shard runs (runtime/handshake.py)
+        from fsdp_compose import fully_shard
+        from fsdp_compose.runtime.order_check import CHECK_ENV
+
+        before = os.environ.get(CHECK_ENV)
+        os.environ[CHECK_ENV] = "0"
+        try:
+            shard(model, fully_shard)
+        finally:
+            if before is None:
+                del os.environ[CHECK_ENV]
+            else:
+                os.environ[CHECK_ENV] = before
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"step": 0}
 
@@ -86,13 +101,38 @@ def make_runner(kind: str, base: GPT):
     return step
 
 
+def time_handshakes() -> dict:
+    """From now on, add up the time this rank spends in divergence handshakes (issue, wait,
+    compare); only ours in the default mode runs them. CPU time is their own work; wall time
+    also holds the wait for the other rank, which under load is mostly the other rank's lag
+    (the all-gather after it would wait for that anyway), so it is a loose upper bound."""
+    import time
+
+    from fsdp_compose.runtime import handshake as module
+
+    spent = {"seconds": 0.0, "cpu": 0.0, "calls": 0}
+    original = module.run
+
+    def timed(*args, **kwargs):
+        start, cpu = time.perf_counter(), time.thread_time()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            spent["seconds"] += time.perf_counter() - start
+            spent["cpu"] += time.thread_time() - cpu
+            spent["calls"] += 1
+
+    module.run = timed
+    return spent
+
+
 def rank_main(rank: int, world_size: int, port: int, args) -> None:
     import time
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    kinds = ["torch", "ours", "compute"]
+    kinds = ["torch", "ours"] + ([OURS_UNCHECKED] if args.check_off else []) + ["compute"]
     results = {k: {"times": [], "cpu": [], "peak": 0, "live": 0, "bytes": None, "losses": []} for k in kinds}
     for kind in kinds:  # one at a time, so each peak sees only its own model
         torch.manual_seed(0)
@@ -113,8 +153,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         dist.barrier()
         results[kind]["live"] = step.tracked_peak(args.batch_size)
         results[kind]["step"] = step
-    for _ in range(args.rounds):
-        for kind in kinds:
+    handshakes = time_handshakes()
+    for round_ in range(args.rounds):
+        for kind in kinds if round_ % 2 == 0 else kinds[::-1]:  # alternate who goes first
             dist.barrier()
             start, cpu_start = time.perf_counter(), time.process_time()  # process: gloo's threads too
             for _ in range(args.steps_per_round):
@@ -123,6 +164,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             results[kind]["cpu"].append((time.process_time() - cpu_start) / args.steps_per_round)
     for kind in kinds:
         del results[kind]["step"]
+    results["handshakes"] = dict(handshakes, steps=args.rounds * args.steps_per_round)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -156,6 +198,19 @@ def report(per_rank, world_size: int, args) -> None:
     print(f"    ours/torch = {live['ours'] / live['torch']:.3f}  (target <= 0.90)   "
           f"ours/compute = {live['ours'] / live['compute']:.3f}")
     print_bytes(per_rank, world_size, param_bytes, mib)
+    if args.check_off:
+        off = statistics.median(per_rank[0][OURS_UNCHECKED]["times"])
+        rounds = per_rank[0]["ours"]["times"], per_rank[0][OURS_UNCHECKED]["times"]
+        paired = statistics.median(a / b for a, b in zip(*rounds))
+        print(f"(f) divergence handshake (issue 12): ours default {t['ours']:.3f}s  checks off {off:.3f}s  "
+              f"default/off = {t['ours'] / off:.4f} (ratio of medians), {paired:.4f} (median of per-round "
+              "ratios); target <= 1.02")
+    spent = per_rank[0]["handshakes"]
+    per_step = spent["seconds"] / spent["steps"]
+    cpu = spent["cpu"] / spent["steps"]
+    print(f"    inside handshakes (rank 0), {spent['calls'] / spent['steps']:.0f} per step: CPU {cpu * 1e3:.2f} ms "
+          f"per step = {cpu / t['ours']:.3%} of ours' median step; wall {per_step * 1e3:.2f} ms "
+          f"= {per_step / t['ours']:.2%} (includes waiting for the other rank)")
     ours_losses, torch_losses = per_rank[0]["ours"]["losses"], per_rank[0]["torch"]["losses"]
     print(f"    same losses as torch FSDP2: max |diff| over {len(ours_losses)} steps "
           f"{max(abs(a - b) for a, b in zip(ours_losses, torch_losses)):.2e}")
@@ -179,12 +234,14 @@ def print_bytes(per_rank, world_size: int, param_bytes: int, mib: int) -> None:
               f"reduce-scatter {moved['scatter'] / mib:.2f} MiB in {moved['scatter_calls']} calls, "
               f"total {total / mib:.2f} MiB = {total / theory:.4f} x 3(N-1)/N*P = {total / minimum:.5f} x minimum")
     print(f"    minimum for this configuration {minimum / mib:.2f} MiB: the root is not resharded after forward "
-          "in either library, so its backward all-gather is skipped; the excess is padding and our 16-byte tags")
+          "in either library, so its backward all-gather is skipped; the excess is padding")
 
 
 def main() -> None:
     parser = add_step_args(argparse.ArgumentParser())
     parser.add_argument("--default-malloc", action="store_true", help="time only, with glibc's default allocator")
+    parser.add_argument("--check-off", action="store_true",
+                        help="also run ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved, and print default/off")
     args = parser.parse_args()
     spawn_ranks(rank_main, args)
 

@@ -18,9 +18,10 @@ from .collectives import (
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
-from .handshake import ALL_GATHER, REDUCE_SCATTER, handshake, handshake_kinds
+from .grad_off import grad_off
+from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, handshake_kinds
 from .labels import labelled
-from .order_check import HEADER_BYTES, check_enabled, make_header, verify_headers
+from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
 from .params import ShardedParam
 from .uids import new_uid
 
@@ -54,8 +55,8 @@ class ParamGroup:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
-        self.header = make_header(self.uid, device) if check_enabled() else None
-        self.handshake = handshake_kinds()
+        self.header = make_header(self.uid, device) if tag_in_data() else None
+        self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self.mesh = mesh
@@ -85,6 +86,7 @@ class ParamGroup:
             self.device = p.follow_local_device()
         if self.header is not None and self.header.device != self.device:
             self.header = make_header(self.uid, self.device)
+        self.handshakes.follow_device(self.device)
         self._all_present.clear()
 
     def rebuild_layout(self) -> None:
@@ -109,7 +111,7 @@ class ParamGroup:
             if not self.params:
                 self.is_unsharded = True
             return
-        with torch.no_grad():
+        with grad_off():
             if self._kept is not None:
                 kept, self._kept = self._kept, None
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
@@ -131,14 +133,13 @@ class ParamGroup:
         self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
 
     def _handshake(self, kind: int, nbytes: int, group) -> None:
-        if kind in self.handshake:
-            handshake(self.uid, kind, nbytes, group, self.describe, self.device)
+        self.handshakes.check(kind, nbytes, group, self.describe)
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
         if self.header is not None:
             verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
-        with torch.no_grad():
+        with grad_off():
             with labelled("copy_out", self):
                 targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
@@ -169,7 +170,7 @@ class ParamGroup:
             self._kept = self._kept if after_forward else None
             return
         if after_forward and self.post_forward is not None:
-            with torch.no_grad():
+            with grad_off():
                 self._kept = self.post_forward.keep(self.header, [p.gathered_rows() for p in self.params])
         else:
             self._kept = None
@@ -199,7 +200,7 @@ class ParamGroup:
         by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
         for p in self.trainable:
             by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
-        with torch.no_grad():
+        with grad_off():
             for dtype, params in by_dtype.items():
                 grads = [p.unsharded_grad() for p in params]
                 rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
 
 from .clean_tls import python_free_tls
 from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
@@ -47,20 +48,87 @@ def handshake_kinds() -> frozenset[int]:
     return frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
 
 
+def _async_options() -> AllgatherOptions:
+    options = AllgatherOptions()
+    options.asyncOp = True
+    return options
+
+
+_ASYNC = _async_options()
+
+
+class _Exchange:
+    """The tensors of one recurring handshake: what this rank sends, where the rows land, and
+    what they must equal. Built once and reused every step, so a handshake costs one
+    collective, one wait and one ``torch.equal``."""
+
+    def __init__(self, uid: int, kind: int, nbytes: int, world: int, device: torch.device) -> None:
+        self.mine = torch.tensor([MAGIC, uid, kind, nbytes], dtype=torch.int64, device=device)
+        self.rows = self.mine.new_empty(world * 4)
+        self.expected = self.mine.repeat(world)
+
+
+class Handshakes:
+    """One group's handshakes, cached per (kind, bytes, process group).
+
+    The process group is called directly (``ProcessGroup.all_gather_single``, what
+    ``dist.all_gather_single`` itself calls after its argument checks): that skips about 10 µs
+    of Python per handshake, and keeps the handshake out of anything that wraps ``dist``'s
+    functions to count data collectives.
+    """
+
+    def __init__(self, uid: int, kinds: frozenset[int], device: torch.device) -> None:
+        self.uid = uid
+        self.kinds = kinds
+        self.device = device
+        self._exchanges: dict[tuple[int, int, object], _Exchange | None] = {}
+
+    def follow_device(self, device: torch.device) -> None:
+        if device != self.device:
+            self.device = device
+            self._exchanges.clear()
+
+    def check(self, kind: int, nbytes: int, group, describe: Callable[[int], str]) -> None:
+        """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective."""
+        if kind not in self.kinds:
+            return
+        key = (kind, nbytes, group)
+        exchange = self._exchanges.get(key, False)
+        if exchange is False:
+            group = group if group is not None else dist.group.WORLD
+            world = group.size()
+            exchange = _Exchange(self.uid, kind, nbytes, world, self.device) if world > 1 else None
+            self._exchanges[key] = exchange
+        if exchange is not None:
+            run(exchange, group if group is not None else dist.group.WORLD, describe)
+
+
 def handshake(uid: int, kind: int, nbytes: int, group, describe: Callable[[int], str], device: torch.device) -> None:
-    """All-gather (magic, uid, kind, nbytes) on ``group``; raise on every rank unless all agree."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return
-    mine = torch.tensor([MAGIC, uid, kind, nbytes], dtype=torch.int64, device=device)
-    rows = mine.new_empty(world * 4)
+    """All-gather (magic, uid, kind, nbytes) on ``group``; raise on every rank unless all agree.
+
+    One-off form of ``Handshakes.check`` (which caches the tensors per group)."""
+    group = group if group is not None else dist.group.WORLD
+    world = group.size()
+    if world > 1:
+        run(_Exchange(uid, kind, nbytes, world, device), group, describe)
+
+
+def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
     with python_free_tls():
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        work = gather(rows, mine, group=group, async_op=True)
-    wait_named(work, f"the handshake before the {KINDS[kind]} of {describe(uid)}")
-    rows = rows.view(world, 4)
-    if torch.equal(rows, mine.expand_as(rows)):
+        work = group.all_gather_single(exchange.rows, exchange.mine, _ASYNC)
+    if work is not None:
+        wait_named(work, lambda: _what(exchange, describe))
+    if torch.equal(exchange.rows, exchange.expected):
         return
+    _raise_diverged(exchange.rows.view(-1, 4), group, describe)
+
+
+def _what(exchange: _Exchange, describe: Callable[[int], str]) -> str:
+    _, uid, kind, _ = exchange.mine.tolist()
+    return f"the handshake before the {KINDS[kind]} of {describe(uid)}"
+
+
+def _raise_diverged(rows: torch.Tensor, group, describe: Callable[[int], str]) -> None:
     lines = []
     ranks = dist.get_process_group_ranks(group)
     for rank, (magic, other_uid, other_kind, other_bytes) in zip(ranks, rows.tolist()):
@@ -75,12 +143,14 @@ def handshake(uid: int, kind: int, nbytes: int, group, describe: Callable[[int],
     )
 
 
-def wait_named(work, what: str) -> None:
-    """``work.wait()``, re-raising a failure (e.g. the process group's timeout) naming ``what``."""
+def wait_named(work, what: str | Callable[[], str]) -> None:
+    """``work.wait()``, re-raising a failure (e.g. the process group's timeout) naming ``what``
+    (a string, or a function that builds it only on failure)."""
     try:
         work.wait()
     except RuntimeError as error:
         rank = dist.get_rank() if dist.is_initialized() else 0
+        what = what if isinstance(what, str) else what()
         raise CollectiveError(
             f"rank {rank}: {what} failed; another rank stopped, crashed or ran something else "
             f"(the wait is bounded by init_process_group(timeout=...)): {error}"

@@ -4,7 +4,8 @@ Each rank prepends a 16-byte tag (magic, group id) to its all-gather input; afte
 every rank sees every rank's tag and raises the same error, naming the modules, if ranks
 gathered different groups. The tag is constant per group, so the check costs one small copy
 and one comparison per all-gather. A rank that skips or repeats a gather surfaces at the next
-gather, whose partners then differ. Set ``FSDP_COMPOSE_CHECK_ORDER=0`` to turn it off.
+gather, whose partners then differ. It runs in mode ``FSDP_COMPOSE_CHECK_ORDER=tag``; the
+default mode's handshake (``handshake.py``) checks the same and more before each all-gather.
 
 Limit: gloo aborts the process when ranks gather buffers of different sizes, so the tag can
 report divergence only between groups of equal size (for example identical blocks run in
@@ -28,8 +29,12 @@ class ExecutionOrderError(RuntimeError):
     """Ranks all-gathered different groups: their forward/backward order differs."""
 
 
-def check_enabled() -> bool:
-    return os.environ.get(CHECK_ENV, "1") != "0"
+def tag_in_data() -> bool:
+    """Only mode ``tag`` carries the tag. In the default and ``strict`` modes the handshake runs
+    first and proves that every rank is about to gather the same group with the same size on
+    the same process group (collectives on one group run in issue order), so a tag would only
+    repeat that check, at 16 bytes and two tensor ops per all-gather."""
+    return os.environ.get(CHECK_ENV, "1") == "tag"
 
 
 def make_header(uid: int, device: torch.device) -> torch.Tensor:

@@ -64,9 +64,11 @@ def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     """A DTensor with ``param``'s layout around ``local``, reusing its spec.
 
     ``DTensor.from_local`` validates and rebuilds the spec through an autograd function,
-    which costs tens of microseconds per gradient; the layout here is known to match.
+    which costs tens of microseconds per gradient; the layout here is known to match. Calling
+    ``__new__`` skips ``DTensor.__init__``, which does nothing but pass through a
+    dynamo-disabling wrapper (a few microseconds per gradient).
     """
-    return DTensor(local, param._spec, requires_grad=False)
+    return DTensor.__new__(DTensor, local, param._spec, requires_grad=False)  # DTensor.__init__ does nothing
 
 
 def spmd_layout(

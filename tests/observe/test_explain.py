@@ -39,7 +39,7 @@ blocks.1       822     float32  1.7 KiB  3.4 KiB    2 x 6.8 KiB      1 x RS 3.4 
 blocks.2       822     float32  1.7 KiB  3.4 KiB    2 x 6.8 KiB      1 x RS 3.4 KiB  True       - / blocks.1         -
 
 4 groups, 3,491 parameters (13.6 KiB gathered), shard group 2
-per step: 7 all-gathers, 4 reduce-scatters, 0 all-reduces, 39.1 KiB counted; each rank sends 19.6 KiB (3(N-1)/N*P = 20.5 KiB: every parameter gathered twice, reduced once)
+per step: 7 all-gathers, 4 reduce-scatters, 0 all-reduces, 38.9 KiB counted; each rank sends 19.5 KiB (3(N-1)/N*P = 20.5 KiB: every parameter gathered twice, reduced once)
 predicted peak per rank 42.9 KiB: parameters 7.1 KiB + optimizer state 14.4 KiB (AdamW assumed) + in flight 21.4 KiB (gathered groups, buffers, gradients) at reduce-scatter blocks.1; activations not included
 (before the first step: order and prefetch follow module definition order; the first step records the real order)""",
     )
@@ -95,16 +95,16 @@ blocks.2       822     float32  1.7 KiB  3.4 KiB    2 x 6.8 KiB      1 x RS 3.4 
         assert_expected_inline(table, """\
 group          params  dtype              sharded  unsharded  all-gather/step  reduce/step     reshard    prefetch fwd / bwd      offload
 -------------  ------  -----------------  -------  ---------  ---------------  --------------  ---------  ----------------------  -------
-<root> (root)  26      float32->bfloat16  32 B     64 B       1 x 128 B        1 x RS 160 B    no (root)  embed, head / blocks.2  -
-embed, head    481     float32->bfloat16  520 B    1.0 KiB    3 x 3.2 KiB      1 x RS 2.0 KiB  True       blocks.0 / -            -
-blocks.0       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.9 KiB      1 x RS 3.8 KiB  True       blocks.1 / embed, head  -
-blocks.1       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.9 KiB      1 x RS 3.8 KiB  True       blocks.2 / blocks.0     -
-blocks.2       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.9 KiB      1 x RS 3.8 KiB  True       - / blocks.1            -""")
+<root> (root)  26      float32->bfloat16  32 B     64 B       1 x 64 B         1 x RS 160 B    no (root)  embed, head / blocks.2  -
+embed, head    481     float32->bfloat16  520 B    1.0 KiB    3 x 3.0 KiB      1 x RS 2.0 KiB  True       blocks.0 / -            -
+blocks.0       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.8 KiB      1 x RS 3.8 KiB  True       blocks.1 / embed, head  -
+blocks.1       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.8 KiB      1 x RS 3.8 KiB  True       blocks.2 / blocks.0     -
+blocks.2       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.8 KiB      1 x RS 3.8 KiB  True       - / blocks.1            -""")
     elif config == "reshard_to_2":
         assert_expected_inline(table, """\
 group          params  dtype    sharded  unsharded  all-gather/step  reduce/step     reshard    prefetch fwd / bwd   offload
 -------------  ------  -------  -------  ---------  ---------------  --------------  ---------  -------------------  -------
-<root> (root)  1,025   float32  1.1 KiB  4.3 KiB    1 x 4.4 KiB      1 x RS 4.4 KiB  no (root)  blocks.0 / blocks.2  -
-blocks.0       822     float32  960 B    3.8 KiB    2 x 7.6 KiB      1 x RS 3.8 KiB  2          blocks.1 / -         -
-blocks.1       822     float32  960 B    3.8 KiB    2 x 7.6 KiB      1 x RS 3.8 KiB  2          blocks.2 / blocks.0  -
-blocks.2       822     float32  960 B    3.8 KiB    2 x 7.6 KiB      1 x RS 3.8 KiB  2          - / blocks.1         -""")
+<root> (root)  1,025   float32  1.1 KiB  4.3 KiB    1 x 4.3 KiB      1 x RS 4.4 KiB  no (root)  blocks.0 / blocks.2  -
+blocks.0       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2          blocks.1 / -         -
+blocks.1       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2          blocks.2 / blocks.0  -
+blocks.2       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2          - / blocks.1         -""")

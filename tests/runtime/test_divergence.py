@@ -68,8 +68,8 @@ def test_rank_skipping_a_module_raises_everywhere():
         errors[0],
         """\
 Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
-  rank 0: all-gather of 'small' (Linear), 56 bytes
-  rank 1: all-gather of 'big' (Linear), 136 bytes""",
+  rank 0: all-gather of 'small' (Linear), 40 bytes
+  rank 1: all-gather of 'big' (Linear), 120 bytes""",
     )
 
 

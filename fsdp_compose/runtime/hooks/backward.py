@@ -25,10 +25,32 @@ class PostBackwardSignal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        state = ctx.state
-        state.inputs_pending -= 1
-        maybe_post_backward(state)
+        _inputs_done(ctx.state)
         return (None, *grads)
+
+
+def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Return ``tensors`` routed through autograd nodes whose backward tells ``state`` that this
+    forward call's inputs got their gradients.
+
+    One plain tensor (the usual case) goes through ``view_as`` with a post-hook on its node: a
+    C++ op and a hook instead of a Python ``autograd.Function`` (about half the cost). Several
+    go through one ``PostBackwardSignal``, which fires once all are done. If the module then
+    modifies the view in place, autograd replaces its node and the hook never fires; the
+    group's post-backward then runs at the end of backward (``PostBackwardSignal``'s output
+    refuses in-place modification altogether).
+    """
+    state.inputs_pending += 1
+    if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
+        view = tensors[0].view_as(tensors[0])
+        view.grad_fn.register_hook(lambda grad_inputs, grad_outputs, state=state: _inputs_done(state))
+        return (view,)
+    return PostBackwardSignal.apply(state, *tensors)
+
+
+def _inputs_done(state: GroupState) -> None:
+    state.inputs_pending -= 1
+    maybe_post_backward(state)
 
 
 def queue_end_of_backward(root: RootState) -> None:

@@ -12,7 +12,7 @@ from ..output_tensors import is_tensor_leaf, output_tensors
 from ..refresh import refresh_params
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
 from ..state import GroupState, RootState, class_name, states_in
-from .backward import PostBackwardSignal, pre_backward, unshard_with_prefetch
+from .backward import pre_backward, signal_post_backward, unshard_with_prefetch
 
 
 def lazy_init(state: GroupState, module: nn.Module) -> None:
@@ -58,20 +58,18 @@ def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) ->
         positions = [i for i, x in enumerate(args) if x.requires_grad]
         if not positions:
             return args, kwargs
-        outputs = PostBackwardSignal.apply(state, *(args[i] for i in positions))
+        outputs = signal_post_backward(state, [args[i] for i in positions])
         flat = list(args)
         for i, out in zip(positions, outputs):
             flat[i] = out
-        state.inputs_pending += 1
         return tuple(flat), {}
     flat, spec = tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
-    outputs = PostBackwardSignal.apply(state, *(flat[i] for i in positions))
+    outputs = signal_post_backward(state, [flat[i] for i in positions])
     for i, out in zip(positions, outputs):
         flat[i] = out
-    state.inputs_pending += 1
     return tree_unflatten(flat, spec)
 
 
@@ -134,5 +132,19 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
         state.group.reshard(after_forward=True)
     for x in output_tensors(output):
         if x.requires_grad:
-            x.register_hook(lambda grad, state=state: pre_backward(state))
+            register_pre_backward(x, state)
     return output
+
+
+def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
+    """Run ``pre_backward(state)`` when backward reaches ``x``.
+
+    A pre-hook on the node that made ``x`` fires at the same point as a hook on ``x`` (the node
+    is about to run with ``x``'s gradient) and costs one C++ call, where ``Tensor.register_hook``
+    runs a page of Python per output; a leaf output has no node and takes the tensor hook.
+    """
+    node = x.grad_fn
+    if node is not None:
+        node.register_prehook(lambda grads, state=state: pre_backward(state))
+    else:
+        x.register_hook(lambda grad, state=state: pre_backward(state))
