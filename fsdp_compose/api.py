@@ -151,8 +151,9 @@ def fully_shard(
             (shard within the last dim, all-reduce gradients across the first); default: all
             ranks of the default process group.
         reshard_after_forward: free the unsharded parameters after forward and all-gather
-            again in backward (saves memory). ``None``: True. The root group is never resharded
-            after a forward with grad enabled (backward needs it at once). An int N
+            again in backward (saves memory). ``None``: True, except at the root, which keeps
+            its parameters after a forward with grad enabled (backward needs them at once);
+            passed explicitly, the root follows it too, as in torch's FSDP2. An int N
             (dividing the shard group size) keeps an N-way slice after forward, so backward
             re-gathers within N consecutive ranks (one node) instead of the whole group.
         mp_policy: dtypes for the all-gather (``param_dtype``), the gradient reduction
@@ -192,10 +193,11 @@ def fully_shard(
         spmd_mesh, mesh = mesh, data_parallel_mesh(class_name(module), mesh, dp_mesh_dims)
     _check_unsupported(module, mesh, {})
     validate_policies(class_name(module), mesh.device_type, mp_policy, offload_policy)
+    reshard_after_forward_chosen = reshard_after_forward is not None
     post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
-    if post_forward_ranks is not None:
-        reshard_after_forward = post_forward_ranks < mesh.size(mesh.ndim - 1)
-        if post_forward_ranks == 1:
+    if post_forward_ranks is not None:  # as torch: 1 keeps everything (False), the group size is True
+        reshard_after_forward = post_forward_ranks > 1
+        if post_forward_ranks in (1, mesh.size(mesh.ndim - 1)):
             post_forward_ranks = None
     ignored = set(ignored_params or ())
     places, names = _managed_params(modules, ignored)
@@ -224,6 +226,7 @@ def fully_shard(
         modules=modules,
         group=group,
         reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
+        reshard_after_forward_chosen=reshard_after_forward_chosen,
         mp_policy=mp_policy,
     )
     for index, (original, sp) in enumerate(zip(places, sharded)):

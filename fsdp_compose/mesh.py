@@ -6,7 +6,26 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-_default_meshes: dict[str, DeviceMesh] = {}
+from .runtime.uids import rank_key
+
+_rank_caches: dict[tuple[int, int], tuple[object, dict]] = {}
+
+
+def _rank_cache() -> dict:
+    """Meshes and groups made for this rank in the current world, to reuse across calls.
+
+    Per rank, not per process: under torch's threaded process group every rank is a thread
+    of one process, and a mesh or subgroup made by one rank is wrong on another (a mesh
+    remembers the rank and thread that made it; a subgroup is that rank's block). Emptied
+    when the default process group is replaced, so nothing made for a destroyed world is
+    reused.
+    """
+    world = dist.group.WORLD
+    key = rank_key()
+    entry = _rank_caches.get(key)
+    if entry is None or entry[0] is not world:
+        entry = _rank_caches[key] = (world, {})
+    return entry[1]
 
 
 def default_device_type() -> str:
@@ -27,10 +46,11 @@ def default_mesh() -> DeviceMesh:
             "(torch.distributed.init_process_group) or an explicit mesh="
         )
     device_type = default_device_type()
-    mesh = _default_meshes.get(device_type)
+    cache = _rank_cache()
+    mesh = cache.get(device_type)
     if mesh is None or mesh.get_group() is None or dist.get_world_size() != mesh.size():
         mesh = init_device_mesh(device_type, (dist.get_world_size(),))
-        _default_meshes[device_type] = mesh
+        cache[device_type] = mesh
     return mesh
 
 
@@ -42,20 +62,17 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     return torch.device(mesh.device_type, module.current_device())
 
 
-_post_forward_groups: dict[tuple, dist.ProcessGroup] = {}
-
-
 def post_forward_group(mesh: DeviceMesh, ranks: int) -> dist.ProcessGroup:
     """This rank's group of ``ranks`` consecutive members of its shard group.
 
     Every rank must create every subgroup in the same order, so all blocks of all shard
-    groups of the mesh are enumerated; they are made once per (mesh, size).
+    groups of the mesh are enumerated; they are made once per (mesh, size) on each rank.
     """
     shard_size = mesh.size(mesh.ndim - 1)
     all_ranks = mesh.mesh.reshape(-1, shard_size).tolist()
-    key = (tuple(map(tuple, all_ranks)), ranks)
-    if key not in _post_forward_groups:
+    key = ("post_forward", tuple(map(tuple, all_ranks)), ranks)
+    cache = _rank_cache()
+    if key not in cache:
         blocks = [row[i : i + ranks] for row in all_ranks for i in range(0, shard_size, ranks)]
-        group, _ = dist.new_subgroups_by_enumeration(blocks)
-        _post_forward_groups[key] = group
-    return _post_forward_groups[key]
+        cache[key], _ = dist.new_subgroups_by_enumeration(blocks)
+    return cache[key]

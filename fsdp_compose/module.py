@@ -121,6 +121,7 @@ class FSDPModule(FSDPModuleKnobs):
             )
         for state in self._fsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
+            state.reshard_after_forward_chosen = True  # the root follows it too
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules right after this one's all-gather in forward.

@@ -109,7 +109,7 @@ class Explanation:
                 fmt_bytes(g.unsharded_bytes),
                 f"{g.all_gathers} x {fmt_bytes(g.all_gather_bytes)}" if g.all_gathers else "-",
                 reduce,
-                str(g.reshard_after_forward) if not g.is_root else "no (root)",
+                "no (root)" if g.is_root and not g.reshard_after_forward else str(g.reshard_after_forward),
                 f"{','.join(g.forward_prefetch) or '-'} / {','.join(g.backward_prefetch) or '-'}",
                 "cpu" if g.offload else "-",
             ])

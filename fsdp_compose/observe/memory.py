@@ -146,7 +146,7 @@ def replay(
         s = call.state
         if s not in post_forward_order:
             post_forward_order.append(s)
-        if s.reshard_after_forward and s not in roots:
+        if s.reshards_after_forward(s in roots):
             reshard(s, after_forward=True)
 
     for call in calls:

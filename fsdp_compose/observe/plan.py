@@ -116,7 +116,7 @@ def plan_group(
 ) -> GroupPlan:
     group, sizes = state.group, sizes_of(state)
     calls = len(state.modules or [state.module])
-    reshards = state.reshard_after_forward and not is_root
+    reshards = state.reshards_after_forward(is_root)
     world = group.world_size
     gathers = gather_bytes = 0
     sent = 0.0
@@ -137,10 +137,9 @@ def plan_group(
     if all_reduces:
         sent += sum(sizes.reduce_outputs) * 2 * (replicas - 1) / replicas
     offload = any(p.layout.storage_device != p.layout.compute_device for p in group.params)
-    if state.group.post_forward is not None and state.reshard_after_forward:
-        reshard: bool | int = group.post_forward.ranks
-    else:
-        reshard = bool(state.reshard_after_forward)
+    reshard: bool | int = reshards
+    if reshards and state.group.post_forward is not None:
+        reshard = group.post_forward.ranks
     return GroupPlan(
         name=name,
         params=sum(p.shape.numel() for p in group.params),

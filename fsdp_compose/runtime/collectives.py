@@ -19,13 +19,29 @@ from .clean_tls import python_free_tls
 from .handshake import wait_named
 
 
+class _LocalWork:
+    """A collective over one rank, done by a copy: nothing to send (torch's FSDP2 skips these too)."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    if dist.get_world_size(group) == 1:
+        output.copy_(input)
+        return _LocalWork()
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     with python_free_tls():
         return gather(output, input, group=group, async_op=async_op)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+    if dist.get_world_size(group) == 1:
+        output.copy_(input)
+        return _LocalWork()
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     with python_free_tls():
         return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -22,6 +22,9 @@ class GroupState:
     module: nn.Module  # the first module of the call; errors and FQNs name it
     group: ParamGroup
     reshard_after_forward: bool
+    # the user chose reshard_after_forward (in fully_shard or set_reshard_after_forward): the
+    # root then follows it too, as in torch's FSDP2; by default the root keeps its parameters
+    reshard_after_forward_chosen: bool = False
     reshard_after_backward: bool = True
     requires_gradient_sync: bool = True
     requires_all_reduce: bool = True
@@ -46,6 +49,13 @@ class GroupState:
     def is_root(self) -> bool:
         return self.root is not None and self.root.root_state is self
 
+    def reshards_after_forward(self, is_root: bool | None = None) -> bool:
+        """Whether forward frees the parameters: not at the root unless the user asked for it.
+
+        Backward needs the root's parameters first, so by default it keeps them gathered.
+        """
+        is_root = self.is_root if is_root is None else is_root
+        return bool(self.reshard_after_forward) and (self.reshard_after_forward_chosen or not is_root)
 
     def reset_backward(self) -> None:
         self.ran_forward_with_grad = False

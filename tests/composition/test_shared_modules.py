@@ -58,7 +58,8 @@ def test_tied_embedding_and_head(world_size, head_first):
     r = results[0]
     assert r["tied"] and r["one_state"] and r["resharded"]
     # forward: 5 groups, the tied group again for its second (third) use; backward: 3 blocks + tied
-    gathers = (6 + (1 if head_first else 0)) + 4
+    # + the root (reshard_after_forward=True passed to the root applies to it too, as in torch)
+    gathers = (6 + (1 if head_first else 0)) + 5
     assert r["counts"] == {"all_gather_single": gathers, "reduce_scatter_single": 5}, r["counts"]
 
 

@@ -102,9 +102,9 @@ blocks.1       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.8 KiB      1
 blocks.2       822     float32->bfloat16  960 B    1.9 KiB    2 x 3.8 KiB      1 x RS 3.8 KiB  True       - / blocks.1            -""")
     elif config == "reshard_to_2":
         assert_expected_inline(table, """\
-group          params  dtype    sharded  unsharded  all-gather/step  reduce/step     reshard    prefetch fwd / bwd   offload
--------------  ------  -------  -------  ---------  ---------------  --------------  ---------  -------------------  -------
-<root> (root)  1,025   float32  1.1 KiB  4.3 KiB    1 x 4.3 KiB      1 x RS 4.4 KiB  no (root)  blocks.0 / blocks.2  -
-blocks.0       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2          blocks.1 / -         -
-blocks.1       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2          blocks.2 / blocks.0  -
-blocks.2       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2          - / blocks.1         -""")
+group          params  dtype    sharded  unsharded  all-gather/step  reduce/step     reshard  prefetch fwd / bwd   offload
+-------------  ------  -------  -------  ---------  ---------------  --------------  -------  -------------------  -------
+<root> (root)  1,025   float32  1.1 KiB  4.3 KiB    2 x 8.7 KiB      1 x RS 4.4 KiB  2        blocks.0 / blocks.2  -
+blocks.0       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2        blocks.1 / -         -
+blocks.1       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2        blocks.2 / blocks.0  -
+blocks.2       822     float32  960 B    3.8 KiB    2 x 7.5 KiB      1 x RS 3.8 KiB  2        - / blocks.1         -""")

@@ -131,3 +131,29 @@ def test_fsdp_module_interface():
     assert r["resharded_type"] == "DTensor" and r["bytes_after_reshard"] == 0
     assert r["kept_after_backward"] == [True, True, True, True]
     assert r["gathers_next_forward"] == 0
+
+
+def test_one_rank_sends_nothing(single_rank_group):
+    """World size 1: all-gathers and reduce-scatters are copies, no c10d call, as in torch's FSDP2
+    (its TestFullyShardWorldSize1 counts zero collectives); gradients still match an unsharded copy."""
+    import copy
+
+    from torch import nn
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(7, 5), nn.ReLU(), nn.Linear(5, 3))
+    model = copy.deepcopy(reference)
+    fully_shard(model[0])
+    fully_shard(model)
+    x = torch.randn(4, 7)
+    for _ in range(2):
+        with CommDebugMode() as comm:
+            model(x).sum().backward()
+        assert comm.get_total_counts() == 0
+    reference(x).sum().backward()
+    reference(x).sum().backward()
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, atol=1e-6, rtol=0)

@@ -128,7 +128,7 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
             s.group.reshard()
         return output
     record_post_forward(root, state)
-    if state.reshard_after_forward and not state.is_root:
+    if state.reshards_after_forward():
         state.group.reshard(after_forward=True)
     for x in output_tensors(output):
         if x.requires_grad:
