@@ -110,12 +110,17 @@ class RankPool:
         failed = {r: v for r, (ok, v) in outcomes.items() if not ok}
         missing = [r for r in range(self.world_size) if r not in outcomes]
         if failed or missing:
+            exit_codes = {r: self._procs[r].exitcode for r in missing}  # before kill(): None = still running
             self.kill()
             lines = [f"{fn.__name__} on {self.world_size} ranks failed"]
             for rank, tb in sorted(failed.items()):
                 lines.append(f"--- rank {rank} raised:\n{tb}")
-            if missing:
-                lines.append(f"--- ranks {missing} gave no result within {timeout:.0f}s (killed)")
+            for rank in missing:
+                code = exit_codes[rank]
+                if code is None:
+                    lines.append(f"--- rank {rank} gave no result within {timeout:.0f}s (killed)")
+                else:  # e.g. -6: SIGABRT (a gloo abort or std::terminate; its message is on stderr)
+                    lines.append(f"--- rank {rank} died with exit code {code} and gave no result")
             raise RankFailure("\n".join(lines))
         return [outcomes[r][1] for r in range(self.world_size)]
 

@@ -6,6 +6,7 @@ shards when sizes happen to match). The 32-byte handshake before each collective
 (runtime/handshake.py) turns every case below into an ``ExecutionOrderError`` on every rank.
 """
 
+import os
 import time
 from datetime import timedelta
 
@@ -17,8 +18,17 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
 from fsdp_compose.runtime.handshake import CollectiveError
-from fsdp_compose.runtime.order_check import ExecutionOrderError
+from fsdp_compose.runtime.order_check import CHECK_ENV, ExecutionOrderError
 from tests.harness import run_on_ranks
+from tests.models import (
+    TinyLM,
+    assert_parity,
+    global_batch,
+    lm_loss,
+    local_slice,
+    shard_blocks_then_root,
+    train_against_reference,
+)
 
 
 class TwoSizes(nn.Module):
@@ -53,16 +63,17 @@ def _catch(step) -> str:
     return "no error"
 
 
-def _rank_one_skips_a_module() -> str:
+def _rank_one_skips_a_module() -> tuple[str, float]:
     model = _model()
     x = torch.randn(3, 4)
-    return _catch(lambda: model(x, skip=dist.get_rank() == 1).sum().backward())
+    started = time.monotonic()  # timed inside the ranks: starting them can take long under load
+    return _catch(lambda: model(x, skip=dist.get_rank() == 1).sum().backward()), time.monotonic() - started
 
 
 def test_rank_skipping_a_module_raises_everywhere():
-    started = time.monotonic()
-    errors = run_on_ranks(2, _rank_one_skips_a_module, timeout=60)
-    assert time.monotonic() - started < 30
+    (error0, seconds0), (error1, seconds1) = run_on_ranks(2, _rank_one_skips_a_module)
+    assert max(seconds0, seconds1) < 30
+    errors = [error0, error1]
     assert errors[0] == errors[1]
     assert_expected_inline(
         errors[0],
@@ -116,3 +127,99 @@ def test_stopped_rank_fails_peers_within_group_timeout():
     assert rank0.startswith("rank 0: the handshake before the all-gather of '<root>' (TwoSizes) failed"), rank0
     assert "init_process_group(timeout=...)" in rank0
     assert float(rank0.rsplit(" after ", 1)[1][:-1]) < 6
+
+
+class LastKeptWhole(TwoSizes):
+    """``small`` is resharded after forward and ``big`` is not, so a backward's first collective is a reduce-scatter."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.big(self.small(x)))
+
+
+def _skip_backward_on_rank_one(mode: str, timeout_s: float) -> tuple[str, float]:
+    os.environ[CHECK_ENV] = mode
+    try:
+        group = dist.new_group(timeout=timedelta(seconds=timeout_s))
+        mesh = DeviceMesh.from_group(group, "cpu")
+        torch.manual_seed(0)
+        model = LastKeptWhole()
+        fully_shard(model.small, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model.big, mesh=mesh, reshard_after_forward=False)
+        fully_shard(model, mesh=mesh)
+    finally:
+        del os.environ[CHECK_ENV]
+    x = torch.randn(3, 4)
+    started = time.monotonic()
+    try:
+        for step in range(2):
+            loss = model(x).sum()
+            if not (step == 0 and dist.get_rank() == 1):  # e.g. a skipped batch (NaN loss) on one rank
+                loss.backward()
+        message = "no error"
+    except (ExecutionOrderError, CollectiveError) as error:
+        message = f"{type(error).__name__}: {error}"
+    return message, time.monotonic() - started
+
+
+def test_strict_mode_names_a_rank_that_skipped_backward():
+    """Rank 1 skips ``backward()`` once; ``strict`` checks reduce-scatters too, so both ranks raise at once.
+
+    Rank 0's backward starts with the reduce-scatter of the root group while rank 1, already in
+    the next forward, all-gathers ``small``. In the default mode (handshake before all-gathers
+    only) that reduce-scatter meets rank 1's handshake unchecked, the ranks' collectives stay
+    misaligned, and both fail only when the process group's timeout expires: in each of 8 runs of
+    ``_skip_backward_on_rank_one("1", 5.0)`` each rank raised ``CollectiveError: ... the
+    handshake before the all-gather of 'small' (Linear) failed; another rank stopped ...`` after
+    5 s (with ``init_process_group``'s default timeout that is 30 minutes).
+    """
+    results = run_on_ranks(2, _skip_backward_on_rank_one, "strict", 30.0)
+    (error0, seconds0), (error1, seconds1) = results
+    assert error0 == error1
+    assert max(seconds0, seconds1) < 20  # not the 30 s group timeout (it takes well under a second)
+    assert_expected_inline(
+        error0,
+        """\
+ExecutionOrderError: Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: reduce-scatter of '<root>' (LastKeptWhole), 60 bytes
+  rank 1: all-gather of 'small' (Linear), 56 bytes""",
+    )
+
+
+def _train_in_modes() -> dict:
+    """The same model and batches trained in the default and the strict mode, then against a reference."""
+    outcomes = {}
+    for mode in ("1", "strict"):
+        os.environ[CHECK_ENV] = mode
+        try:
+            torch.manual_seed(0)
+            model = TinyLM(n_blocks=2)
+            shard_blocks_then_root(model)
+        finally:
+            del os.environ[CHECK_ENV]
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for step in range(3):
+            batch = local_slice(global_batch(step, dist.get_world_size()), dist.get_rank(), dist.get_world_size())
+            loss = lm_loss(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        outcomes[mode] = (losses, [p.full_tensor() for p in model.parameters()])
+    (losses, params), (strict_losses, strict_params) = outcomes["1"], outcomes["strict"]
+    os.environ[CHECK_ENV] = "strict"
+    try:
+        parity = train_against_reference(lambda: TinyLM(n_blocks=2), shard_blocks_then_root, steps=3)
+    finally:
+        del os.environ[CHECK_ENV]
+    return {
+        **parity,
+        "same_losses": losses == strict_losses,
+        "same_params": all(torch.equal(a, b) for a, b in zip(params, strict_params)),
+    }
+
+
+def test_strict_mode_trains_exactly_like_the_default_mode():
+    results = run_on_ranks(3, _train_in_modes)  # 3 ranks: uneven shards
+    assert all(r["same_losses"] and r["same_params"] for r in results)
+    assert_parity(results)
