@@ -181,7 +181,7 @@ def test_strict_mode_names_a_rank_that_skipped_backward():
         """\
 ExecutionOrderError: Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
   rank 0: reduce-scatter of '<root>' (LastKeptWhole), 60 bytes
-  rank 1: all-gather of 'small' (Linear), 56 bytes""",
+  rank 1: all-gather of 'small' (Linear), 40 bytes""",
     )
 
 
