@@ -169,7 +169,7 @@ class ParamGroup:
         if not self.is_unsharded:
             self._kept = self._kept if after_forward else None
             return
-        if after_forward and self.post_forward is not None:
+        if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
             with grad_off():
                 self._kept = self.post_forward.keep(self.header, [p.gathered_rows() for p in self.params])
         else:
