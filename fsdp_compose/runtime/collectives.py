@@ -29,22 +29,23 @@ class _LocalWork:
         return True
 
 
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    if dist.get_world_size(group) == 1:
-        output.copy_(input)
+def _all_gather(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
+    if world_size == 1:
+        if input.data_ptr() != output.data_ptr():  # several pieces were concatenated into output already
+            output.copy_(input)
         return _LocalWork()
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    with python_free_tls():
-        return gather(output, input, group=group, async_op=async_op)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # looked up per call:
+    with python_free_tls():  # tests and benchmarks count collectives by wrapping these functions
+        return gather(output, input, group=group, async_op=True)
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
-    if dist.get_world_size(group) == 1:
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
+    if world_size == 1:
         output.copy_(input)
         return _LocalWork()
     scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     with python_free_tls():
-        return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+        return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 @dataclass
@@ -118,7 +119,7 @@ def all_gather_flat(
     stats.all_gathers += 1
     stats.all_gather_bytes += output.numel() * output.element_size()
     if comm is None:
-        work = _all_gather(output, flat, group, async_op=True)
+        work = _all_gather(output, flat, group, layout.world_size)
     else:
         with python_free_tls():  # a user's comm issues gloo work too
             work = comm(output, flat, group, async_op=True)
@@ -159,7 +160,7 @@ def reduce_scatter_rows(
     stats.reduce_scatters += 1
     stats.reduce_scatter_bytes += table.numel() * table.element_size()
     if comm is None:
-        work = _reduce_scatter(output, table.view(-1), group, async_op=True)
+        work = _reduce_scatter(output, table.view(-1), group, table.shape[0])
     else:
         with python_free_tls():
             work = comm(output, table.view(-1), group, op=dist.ReduceOp.SUM, async_op=True)
