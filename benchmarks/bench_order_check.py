@@ -62,13 +62,13 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             if step:  # the first step is warm-up
                 times[mode].append(time.perf_counter() - started)
     # the handshake alone, for a bound that machine noise cannot blur: latency x count per step
-    from fsdp_compose.runtime.handshake import ALL_GATHER, handshake
+    from fsdp_compose.runtime.handshake import ALL_GATHER, Handshakes
 
-    group = dist.group.WORLD
+    handshakes = Handshakes(1, frozenset((ALL_GATHER,)), torch.device("cpu"))
     dist.barrier()
     started = time.perf_counter()
     for _ in range(200):
-        handshake(1, ALL_GATHER, 1024, group, str, torch.device("cpu"))
+        handshakes.check(ALL_GATHER, 1024, None, str)
     latency = (time.perf_counter() - started) / 200
     gathers = sum(s.group.stats.all_gathers for s in _states(runs["1"][0])) / (args.steps + 1)
     if rank == 0:

@@ -10,10 +10,10 @@ forward calls, or gathered a different group of any size. Reduce-scatters follow
 autograd graph of an already-checked forward, so only ``strict`` mode checks them as well
 (for a rank that skips ``backward`` altogether).
 
-``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers and
-the in-data tag; ``strict`` handshake before reduce-scatters too; ``tag`` the 16-byte tag
-inside each all-gather only (no extra collective, catches reordered groups of equal size);
-``0`` none.
+``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers (no
+in-data tag: the handshake proves what it would); ``strict`` handshake before reduce-scatters
+too; ``tag`` the 16-byte tag inside each all-gather only (no extra collective, catches
+reordered groups of equal size); ``0`` none.
 
 A rank that stops altogether is reported by the others when the process group's timeout
 expires (``init_process_group(timeout=...)``): ``CollectiveError`` names the collective and
@@ -92,25 +92,15 @@ class Handshakes:
         """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective."""
         if kind not in self.kinds:
             return
+        group = group if group is not None else dist.group.WORLD
         key = (kind, nbytes, group)
         exchange = self._exchanges.get(key, False)
-        if exchange is False:
-            group = group if group is not None else dist.group.WORLD
+        if exchange is False:  # first time: build the tensors (none for a one-rank group)
             world = group.size()
             exchange = _Exchange(self.uid, kind, nbytes, world, self.device) if world > 1 else None
             self._exchanges[key] = exchange
         if exchange is not None:
-            run(exchange, group if group is not None else dist.group.WORLD, describe)
-
-
-def handshake(uid: int, kind: int, nbytes: int, group, describe: Callable[[int], str], device: torch.device) -> None:
-    """All-gather (magic, uid, kind, nbytes) on ``group``; raise on every rank unless all agree.
-
-    One-off form of ``Handshakes.check`` (which caches the tensors per group)."""
-    group = group if group is not None else dist.group.WORLD
-    world = group.size()
-    if world > 1:
-        run(_Exchange(uid, kind, nbytes, world, device), group, describe)
+            run(exchange, group, describe)
 
 
 def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
