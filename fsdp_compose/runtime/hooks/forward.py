@@ -54,23 +54,15 @@ def plain_tensor_args(args: object, kwargs: dict) -> bool:
 
 def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Route grad-requiring inputs through an identity whose backward tells us the module is done."""
-    if plain_tensor_args(args, kwargs):
-        positions = [i for i, x in enumerate(args) if x.requires_grad]
-        if not positions:
-            return args, kwargs
-        outputs = signal_post_backward(state, [args[i] for i in positions])
-        flat = list(args)
-        for i, out in zip(positions, outputs):
-            flat[i] = out
-        return tuple(flat), {}
-    flat, spec = tree_flatten((args, kwargs))
+    plain = plain_tensor_args(args, kwargs)
+    flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
         return args, kwargs
     outputs = signal_post_backward(state, [flat[i] for i in positions])
     for i, out in zip(positions, outputs):
         flat[i] = out
-    return tree_unflatten(flat, spec)
+    return (tuple(flat), {}) if plain else tree_unflatten(flat, spec)
 
 
 def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
