@@ -145,7 +145,7 @@ def main() -> None:
 def world_compare(args) -> None:
     """Step time at a large fake world size against the default one, same model (issue 11).
 
-    ``ours,nochk`` shows what the divergence handshake adds: its all-gathers bypass the byte
+    ``ours,nochk`` shows what the divergence handshake adds: its all-reduces bypass the byte
     counter, so the backend floor below does not include them."""
     kinds = ["torch", "ours", "ours,nochk"]
     small = measure(args.world_size, args.large_groups, args, kinds, backend=True)

@@ -2,9 +2,13 @@
 
 gloo cannot report a collective whose ranks disagree: buffers of different sizes abort the
 process inside gloo ("op.preamble.length <= op.nbytes"), and different collectives hang. So,
-by default, each group's all-gather is preceded by a 32-byte all-gather of (magic, group id,
-kind, bytes); if any rank's entry differs, every rank raises the same ``ExecutionOrderError``
-naming what each rank was about to run, before the real collective is issued. This catches a
+by default, each group's all-gather is preceded by a handshake on (magic, group id, kind,
+bytes): one all-reduce (max) of those four numbers and their negations, which gives every rank
+the largest and the smallest entry of each. Equal everywhere means every rank is about to run
+the same collective; otherwise every rank sees the same disagreement, all-gathers the entries
+(only on this failure path) and raises the same ``ExecutionOrderError`` naming what each rank
+was about to run, before the real collective is issued. The all-reduce's payload is 64 bytes
+whatever the world size, where an all-gather of the entries would grow with it. This catches a
 rank that skipped a sharded module (data-dependent control flow), ran a different number of
 forward calls, or gathered a different group of any size. Reduce-scatters follow the
 autograd graph of an already-checked forward, so only ``strict`` mode checks them as well
@@ -27,7 +31,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
 from .clean_tls import python_free_tls
 from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
@@ -48,31 +52,34 @@ def handshake_kinds() -> frozenset[int]:
     return frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
 
 
-def _async_options() -> AllgatherOptions:
-    options = AllgatherOptions()
+def _max_options() -> AllreduceOptions:
+    options = AllreduceOptions()
+    options.reduceOp = ReduceOp.MAX
     options.asyncOp = True
     return options
 
 
-_ASYNC = _async_options()
+_MAX = _max_options()
 
 
 class _Exchange:
-    """The tensors of one recurring handshake: what this rank sends, where the rows land, and
-    what they must equal. Built once and reused every step, so a handshake costs one
-    collective, one wait and one ``torch.equal``."""
+    """The tensors of one recurring handshake: this rank's entry and its negation (the
+    all-reduce's result must equal them: max == this entry and max of the negations == -this
+    entry, i.e. min == this entry), and a buffer the all-reduce overwrites. Built once and
+    reused every step, so a handshake costs one copy, one collective, one wait and one
+    ``torch.equal``."""
 
     def __init__(self, uid: int, kind: int, nbytes: int, world: int, device: torch.device) -> None:
         self.mine = torch.tensor([MAGIC, uid, kind, nbytes], dtype=torch.int64, device=device)
-        self.rows = self.mine.new_empty(world * 4)
-        self.expected = self.mine.repeat(world)
+        self.expected = torch.cat([self.mine, -self.mine])
+        self.reduced = torch.empty_like(self.expected)
 
 
 class Handshakes:
     """One group's handshakes, cached per (kind, bytes, process group).
 
-    The process group is called directly (``ProcessGroup.all_gather_single``, what
-    ``dist.all_gather_single`` itself calls after its argument checks): that skips about 10 µs
+    The process group is called directly (``ProcessGroup.allreduce``, what ``dist.all_reduce``
+    itself calls after its argument checks): that skips about 10 µs
     of Python per handshake, and keeps the handshake out of anything that wraps ``dist``'s
     functions to count data collectives.
     """
@@ -104,13 +111,22 @@ class Handshakes:
 
 
 def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
+    reduced = exchange.reduced
+    reduced.copy_(exchange.expected)
     with python_free_tls():
-        work = group.all_gather_single(exchange.rows, exchange.mine, _ASYNC)
+        work = group.allreduce([reduced], _MAX)
     if work is not None:
         wait_named(work, lambda: _what(exchange, describe))
-    if torch.equal(exchange.rows, exchange.expected):
+    if torch.equal(reduced, exchange.expected):
         return
-    _raise_diverged(exchange.rows.view(-1, 4), group, describe)
+    # Every rank got the same maxima, so every rank is here: gather the entries to name them.
+    rows = exchange.mine.new_empty(group.size() * 4)
+    options = AllgatherOptions()
+    options.asyncOp = True
+    with python_free_tls():
+        work = group.all_gather_single(rows, exchange.mine, options)
+    wait_named(work, lambda: _what(exchange, describe))
+    _raise_diverged(rows.view(-1, 4), group, describe)
 
 
 def _what(exchange: _Exchange, describe: Callable[[int], str]) -> str:

@@ -2,8 +2,8 @@
 
 gloo itself aborts the process when ranks all-gather buffers of different sizes and hangs when
 they run different collectives; torch's FSDP2 shows exactly that (or trains on mixed-up
-shards when sizes happen to match). The 32-byte handshake before each collective
-(runtime/handshake.py) turns every case below into an ``ExecutionOrderError`` on every rank.
+shards when sizes happen to match). The handshake before each collective (a 64-byte all-reduce
+of each rank's entry and its negation, runtime/handshake.py) turns every case below into an ``ExecutionOrderError`` on every rank.
 """
 
 import os
@@ -81,6 +81,26 @@ def test_rank_skipping_a_module_raises_everywhere():
 Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
   rank 0: all-gather of 'small' (Linear), 40 bytes
   rank 1: all-gather of 'big' (Linear), 120 bytes""",
+    )
+
+
+def _last_rank_skips_a_module() -> str:
+    model = _model()
+    return _catch(lambda: model(torch.randn(3, 4), skip=dist.get_rank() == 2).sum().backward())
+
+
+def test_one_rank_of_three_diverging_is_named_everywhere():
+    """Two ranks agree and one does not: the all-reduce's max and min still differ, so all three
+    raise (a handshake that compared only against a majority, or only the max, would miss it)."""
+    errors = run_on_ranks(3, _last_rank_skips_a_module, timeout=60)
+    assert errors[0] == errors[1] == errors[2]
+    assert_expected_inline(
+        errors[0],
+        """\
+Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: all-gather of 'small' (Linear), 40 bytes
+  rank 1: all-gather of 'small' (Linear), 40 bytes
+  rank 2: all-gather of 'big' (Linear), 80 bytes""",
     )
 
 
