@@ -4,8 +4,8 @@ import glob
 import os
 import signal
 import warnings
-from datetime import timedelta
 from contextlib import contextmanager
+from datetime import timedelta
 
 import pytest
 import torch
