@@ -13,6 +13,7 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import init_device_mesh
 
+from fsdp_compose import fully_shard
 from fsdp_compose.runtime import shm_transport
 from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
 from fsdp_compose.runtime.order_check import CHECK_ENV, ExecutionOrderError
@@ -45,11 +46,15 @@ def our_files() -> list[str]:
 def _parity(variant: str):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if variant == "hsdp" else None
     kwargs = {"reshard_after_forward": variant != "keep"}
+
+    def shard(model):
+        shard_blocks_then_root(model, mesh=mesh, **kwargs)
+        if variant == "separate":  # reduce-scatters on a process group (and so a transport) of their own
+            model.set_separate_reduce_scatter_group()
+
     before = shm_transport.counters.all_gathers, shm_transport.counters.reduce_scatters
     with env(FSDP_COMPOSE_TRANSPORT="shm"), count_collectives() as counts:
-        result = train_against_reference(
-            TinyLM, lambda m: shard_blocks_then_root(m, mesh=mesh, **kwargs), steps=3
-        )
+        result = train_against_reference(TinyLM, shard, steps=3)
     result["gloo_data_collectives"] = sum(counts[name] for name in DATA)
     result["shm"] = (shm_transport.counters.all_gathers - before[0], shm_transport.counters.reduce_scatters - before[1])
     result["files"] = our_files()
@@ -57,7 +62,7 @@ def _parity(variant: str):
     return result
 
 
-@pytest.mark.parametrize("world_size,variant", [(2, "reshard"), (3, "keep"), (4, "hsdp")])
+@pytest.mark.parametrize("world_size,variant", [(2, "separate"), (3, "keep"), (4, "hsdp")])
 def test_parity_with_reference_through_shm(world_size, variant):
     results = run_on_ranks(world_size, _parity, variant)
     assert_parity(results)
@@ -69,12 +74,27 @@ def test_parity_with_reference_through_shm(world_size, variant):
         assert r["segment_bytes"] > 0
 
 
+class MixedDtypes(torch.nn.Module):
+    """One group holding fp32 and bf16 parameters: a byte-level all-gather, one reduce-scatter per dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TinyLM()
+        self.scale = torch.nn.Parameter(torch.ones(37, dtype=torch.bfloat16))
+
+    def forward(self, ids):
+        return self.lm(ids) * self.scale.float()
+
+
 def _bitwise_against_gloo():
     out = {}
     for transport in ("gloo", "shm"):
         torch.manual_seed(0)
-        model = TinyLM()
-        shard_blocks_then_root(model)
+        model = MixedDtypes()
+        for block in model.lm.blocks:
+            fully_shard(block)
+        fully_shard(model)  # the root group: the fp32 embedding and head, and the bf16 scale
+        before = shm_transport.counters.reduce_scatters
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
         with env(FSDP_COMPOSE_TRANSPORT=transport):
@@ -85,6 +105,8 @@ def _bitwise_against_gloo():
                 opt.step()
                 opt.zero_grad()
                 losses.append(loss.detach())
+        used = shm_transport.counters.reduce_scatters - before
+        assert used == (3 * 5 if transport == "shm" else 0), used  # 3 blocks + fp32 and bf16 of the root
         out[transport] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
     (gl, gp), (sl, sp) = out["gloo"], out["shm"]
     return all(torch.equal(a, b) for a, b in zip(gl + gp, sl + sp))
