@@ -31,7 +31,10 @@ sync fails (a peer died) or ranks disagree.
 
 Set-up, at a group's first shm collective, exchanges a hash of the hostname and the boot id:
 if the ranks are not all on one host (or ``/dev/shm`` is missing), the group keeps using gloo,
-with a one-time warning. Ranks that contribute different sizes or kinds get the same
+with a one-time warning. A segment's pages are reserved when it is made (``posix_fallocate``), so a
+full ``/dev/shm`` (docker's default is 64 MiB) is a failed reservation, not a SIGBUS at a later
+write; the rank says so in the sync, and every rank runs that collective, and the group's later
+ones, over gloo, with a warning. Ranks that contribute different sizes or kinds get the same
 ``ExecutionOrderError`` on every rank, naming the process group's ranks and each rank's size.
 """
 
@@ -62,6 +65,7 @@ ALL_GATHER, REDUCE_SCATTER = 1, 2
 _KINDS = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter"}
 _ALIGN = 4096  # halves start on page boundaries, so every dtype view is aligned
 _FIELDS = 5  # sync payload per rank: magic, kind, nbytes, generation, half size
+_NO_ROOM = -2  # the generation a rank sends when /dev/shm had no room for its contribution
 
 
 @dataclass
@@ -72,7 +76,8 @@ class ShmCounters:
     reduce_scatters: int = 0
     syncs: int = 0
     segments_created: int = 0
-    fallbacks: int = 0
+    set_ups: int = 0
+    fallbacks: int = 0  # groups that use gloo after all: ranks on several hosts, or /dev/shm full
 
 
 counters = ShmCounters()
@@ -149,17 +154,27 @@ class ShmTransport:
         self._mine = torch.zeros(_FIELDS, dtype=torch.int64)
         self._rows = torch.zeros(self.world * _FIELDS, dtype=torch.int64)
         self._unlink_after_sync: str | None = None
+        self.no_room = ""  # why this rank could not grow its segment, if it could not
 
     # ----- segments ---------------------------------------------------------------------------
-    def _own_region(self, nbytes: int) -> torch.Tensor:
-        """This rank's half for the coming collective, growing the segment if it is too small."""
+    def _own_region(self, nbytes: int) -> torch.Tensor | None:
+        """This rank's half for the coming collective, growing the segment if it is too small;
+        ``None`` if ``/dev/shm`` has no room for the larger segment."""
         if self.own is None or nbytes > self.own.half:
             generation = 0 if self.own is None else self.own.generation + 1
             half = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
             path = os.path.join(SHM_DIR, f"{self.prefix}_{self.rank}_{generation}")
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.close(fd)
             _linked.add(path)
+            try:
+                try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS at a write
+                    _fallocate(fd, 2 * half)
+                finally:
+                    os.close(fd)
+            except OSError as error:
+                _unlink(path)
+                self.no_room = f"rank {self.rank} could not reserve {2 * half} bytes in {SHM_DIR}: {error}"
+                return None
             tensor = torch.from_file(path, shared=True, size=2 * half, dtype=torch.uint8)  # extends the file
             self.own = self.peers[self.rank] = _Segment(path, generation, half, tensor)
             self._unlink_after_sync = path
@@ -172,17 +187,22 @@ class ShmTransport:
         self.peers[rank] = _Segment(path, generation, half, tensor)
 
     # ----- sync -------------------------------------------------------------------------------
-    def _sync(self, kind: int, nbytes: int) -> None:
-        """All ranks have written their contribution; check they agree, map new segments."""
-        own = self.own
+    def _sync(self, kind: int, nbytes: int, has_room: bool) -> bool:
+        """All ranks have written their contribution; check they agree, map new segments.
+        False (on every rank) if a rank had no room for its contribution: the group then
+        stops using shared memory, and this collective runs over gloo."""
         mine = self._mine
-        mine[0], mine[1], mine[2], mine[3], mine[4] = MAGIC, kind, nbytes, own.generation, own.half
+        generation, half = (self.own.generation, self.own.half) if has_room else (_NO_ROOM, 0)
+        mine[0], mine[1], mine[2], mine[3], mine[4] = MAGIC, kind, nbytes, generation, half
         self._gather(self._rows, mine, kind)
         rows = self._rows.view(self.world, _FIELDS)
         if not torch.equal(rows[:, :3], mine[:3].expand(self.world, 3)):
             self._raise_disagreement(rows)
         if torch.equal(rows[:, 3:], self._known):
-            return
+            return True
+        if (rows[:, 3] == _NO_ROOM).any():
+            self._stop(rows)
+            return False
         for rank, (generation, half) in enumerate(rows[:, 3:].tolist()):
             if rank != self.rank and (generation, half) != tuple(self._known[rank].tolist()):
                 self._attach(rank, generation, half)
@@ -192,6 +212,20 @@ class ShmTransport:
         path, self._unlink_after_sync = self._unlink_after_sync, None
         if path is not None:
             _unlink(path)
+        return True
+
+    def _stop(self, rows: torch.Tensor) -> None:
+        """A rank's ``/dev/shm`` is full: this group uses gloo from now on, on every rank."""
+        full = [rank for rank, row in zip(self._ranks(), rows.tolist()) if row[3] == _NO_ROOM]
+        self._abandon()
+        _transports[self.group] = None
+        counters.fallbacks += 1
+        warnings.warn(
+            f"{TRANSPORT_ENV}=shm: {SHM_DIR} has no room for the segment of rank(s) {full} of process group "
+            f"{self._ranks()} ({self.no_room or 'see that rank'}); the group uses gloo from now on. Enlarge "
+            f"{SHM_DIR} (e.g. docker run --shm-size) to keep the transport",
+            stacklevel=4,
+        )
 
     def _gather(self, rows: torch.Tensor, mine: torch.Tensor, kind: int) -> None:
         counters.syncs += 1
@@ -237,7 +271,8 @@ class ShmTransport:
         """Concatenate ``pieces`` into this rank's half, sync, copy every rank's row out."""
         first = pieces[0]
         nbytes = numel * first.element_size()
-        mine = self._own_region(nbytes).view(first.dtype)
+        region = self._own_region(nbytes)
+        mine = first.new_empty(numel) if region is None else region.view(first.dtype)
         if len(pieces) > 1:
             torch.cat(pieces, out=mine)
         else:
@@ -245,7 +280,10 @@ class ShmTransport:
         output = first.new_empty(self.world * numel)
         stats.all_gathers += 1
         stats.all_gather_bytes += output.numel() * output.element_size()
-        self._sync(ALL_GATHER, nbytes)
+        if not self._sync(ALL_GATHER, nbytes, region is not None):
+            from .collectives import _all_gather  # noqa: PLC0415 - collectives imports this module
+
+            return _all_gather(output, mine, self.group, self.world), output.view(self.world, -1)
         index = self.calls % 2
         torch.cat([p.region(index, nbytes).view(first.dtype) for p in self.peers], out=output)
         self.calls += 1
@@ -257,15 +295,22 @@ class ShmTransport:
         width = sum(r.shape[1] for r in rows)
         dtype = rows[0].dtype
         nbytes = self.world * width * dtype.itemsize
-        table = self._own_region(nbytes).view(dtype).view(self.world, width)
-        torch.cat(rows, dim=1, out=table)
+        region = self._own_region(nbytes)
+        if region is None:
+            table = torch.cat(rows, dim=1)
+        else:
+            table = region.view(dtype).view(self.world, width)
+            torch.cat(rows, dim=1, out=table)
         rows.clear()
         if pre_divide != 1:
             table.div_(pre_divide)
         output = table.new_empty(width)
         stats.reduce_scatters += 1
         stats.reduce_scatter_bytes += nbytes
-        self._sync(REDUCE_SCATTER, nbytes)
+        if not self._sync(REDUCE_SCATTER, nbytes, region is not None):
+            from .collectives import _reduce_scatter  # noqa: PLC0415 - collectives imports this module
+
+            return _reduce_scatter(output, table.view(-1), self.group, self.world), output
         index = self.calls % 2
         parts = [p.region(index, nbytes).view(dtype).view(self.world, width)[self.rank] for p in self.peers]
         torch.add(parts[0], parts[1], out=output)
@@ -308,6 +353,7 @@ def _set_up(group) -> ShmTransport | None:
     if work is not None:
         wait_named(work, f"the shared-memory transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 4).tolist()
+    counters.set_ups += 1
     if all(row[1] == table[0][1] and row[3] == 1 for row in table):
         prefix = f"{FILE_PREFIX}{table[0][2]:016x}"
         _prefixes.add(prefix)
@@ -321,6 +367,10 @@ def _set_up(group) -> ShmTransport | None:
             stacklevel=2,
         )
     return None
+
+
+def _fallocate(fd: int, nbytes: int) -> None:
+    os.posix_fallocate(fd, 0, nbytes)
 
 
 def _unlink(path: str) -> None:

@@ -53,11 +53,13 @@ def _parity(variant: str):
             model.set_separate_reduce_scatter_group()
 
     before = shm_transport.counters.all_gathers, shm_transport.counters.reduce_scatters
+    set_ups = shm_transport.counters.set_ups
     with env(FSDP_COMPOSE_TRANSPORT="shm"), count_collectives() as counts:
         result = train_against_reference(TinyLM, shard, steps=3)
     result["gloo_data_collectives"] = sum(counts[name] for name in DATA)
     result["shm"] = (shm_transport.counters.all_gathers - before[0], shm_transport.counters.reduce_scatters - before[1])
     result["files"] = our_files()
+    result["set_ups"] = shm_transport.counters.set_ups - set_ups
     result["segment_bytes"] = shm_transport.segment_bytes()
     return result
 
@@ -72,6 +74,8 @@ def test_parity_with_reference_through_shm(world_size, variant):
         assert gathers >= 3 * 4 and scatters == 3 * 4, r["shm"]  # 4 groups, 3 steps
         assert r["files"] == []  # outside a growing collective nothing is linked
         assert r["segment_bytes"] > 0
+        # once per process group (none if an earlier test set up this pool's world group)
+        assert r["set_ups"] <= (2 if variant == "separate" else 1), r["set_ups"]
 
 
 class MixedDtypes(torch.nn.Module):
@@ -204,6 +208,51 @@ def test_host_mismatch_falls_back_to_gloo_with_a_warning():
 FSDP_COMPOSE_TRANSPORT=shm: the ranks of process group [0, 1] are not all on one host with /dev/shm (hostname and boot id differ); using gloo for its collectives""")
 
 
+def _shm_full():
+    """Rank 1's /dev/shm has no room to grow its segment: that collective and the group's later
+    ones run over gloo on every rank, with a warning, and give the same results."""
+    import errno
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    original = shm_transport._fallocate
+
+    def full(fd, nbytes):
+        if nbytes > 2 * 4096:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(fd, nbytes)
+
+    if rank == 1:
+        shm_transport._fallocate = full
+    gathered = []
+    try:
+        with env(FSDP_COMPOSE_TRANSPORT="shm"), warnings.catch_warnings(record=True) as caught, \
+                count_collectives() as counts:
+            warnings.simplefilter("always")
+            for n in (10, 5000, 5000):
+                work, out = all_gather_flat([torch.full((n,), float(rank))], GatherLayout([4 * n], 2), group,
+                                            CommStats(), rank=rank)
+                work.wait()
+                gathered.append(torch.equal(out, torch.stack([torch.zeros(n), torch.ones(n)])))
+            work, reduced = reduce_scatter_rows([torch.ones(2, 3000)], group, CommStats())
+            work.wait()
+    finally:
+        shm_transport._fallocate = original
+    return (gathered, reduced.eq(2).all().item(), sum(counts[n] for n in DATA), our_files(),
+            [str(w.message) for w in caught])
+
+
+def test_full_dev_shm_falls_back_to_gloo_on_every_rank():
+    results = run_on_ranks(2, _shm_full)
+    for gathered, reduced_ok, gloo_calls, files, _ in results:
+        assert gathered == [True, True, True] and reduced_ok
+        assert gloo_calls == 3  # the collective that found no room, and the two after it
+        assert files == []
+    assert_expected_inline("\n".join(r[4][0] for r in results), """\
+FSDP_COMPOSE_TRANSPORT=shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (see that rank); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport
+FSDP_COMPOSE_TRANSPORT=shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (rank 1 could not reserve 40960 bytes in /dev/shm: [Errno 28] No space left on device); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport""")
+
+
 def _killed_rank(rank: int, port: int, results) -> None:
     """Rank 1 dies (SIGKILL) right after creating a grown segment, before the sync that would
     unlink it; rank 0's failed sync then unlinks every file of the job."""
@@ -219,7 +268,7 @@ def _killed_rank(rank: int, port: int, results) -> None:
     if rank == 1:
         original = shm_transport.ShmTransport._sync
 
-        def die(self, kind, nbytes):
+        def die(self, *args):
             os.kill(os.getpid(), signal.SIGKILL)
 
         shm_transport.ShmTransport._sync = die
@@ -229,7 +278,8 @@ def _killed_rank(rank: int, port: int, results) -> None:
         outcome = "no error"
     except Exception as error:  # noqa: BLE001 - the type is what the test reports
         outcome = type(error).__name__
-    results.put((outcome, prefix))
+    if rank == 0:
+        results.put((outcome, prefix))
 
 
 def test_no_files_left_when_a_rank_is_killed_mid_run():
