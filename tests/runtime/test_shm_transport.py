@@ -3,6 +3,7 @@
 import glob
 import os
 import signal
+import time
 import warnings
 from contextlib import contextmanager
 from datetime import timedelta
@@ -121,11 +122,21 @@ def test_bitwise_equal_to_gloo_at_ws2():
 
 
 def _back_to_back():
-    """Alternating all-gathers and reduce-scatters of growing and shrinking sizes, each checked."""
+    """Alternating all-gathers and reduce-scatters of growing and shrinking sizes, each checked,
+    while rank 0 reads late (a single shared region, without the two halves, fails this)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.new_group(list(range(world)))
     stats = CommStats()
     created = shm_transport.counters.segments_created
+    original = shm_transport.ShmTransport._sync
+
+    def late_reader(self, *args):  # rank 0 reads each collective's segments late: the others run ahead
+        result = original(self, *args)
+        time.sleep(0.02)
+        return result
+
+    if rank == 0:
+        shm_transport.ShmTransport._sync = late_reader
     with env(FSDP_COMPOSE_TRANSPORT="shm"):
         for i, n in enumerate([5, 3000, 7, 20000, 1, 20000, 64]):
             pieces = [torch.arange(n, dtype=torch.float32) + 1000 * rank + i, torch.full((2,), float(rank))]
@@ -139,6 +150,7 @@ def _back_to_back():
             expected = sum(torch.arange(world * n, dtype=torch.float64).view(world, n)[rank] * (k + 1) + i
                            for k in range(world))
             assert torch.equal(reduced, expected), (i, n)
+    shm_transport.ShmTransport._sync = original
     return shm_transport.counters.segments_created - created, our_files()
 
 
