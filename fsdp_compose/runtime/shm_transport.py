@@ -164,14 +164,14 @@ class ShmTransport:
             generation = 0 if self.own is None else self.own.generation + 1
             half = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
             path = os.path.join(SHM_DIR, f"{self.prefix}_{self.rank}_{generation}")
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            _linked.add(path)
             try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                _linked.add(path)
                 try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS at a write
                     _fallocate(fd, 2 * half)
                 finally:
                     os.close(fd)
-            except OSError as error:
+            except OSError as error:  # reported in the sync, so every rank falls back alike
                 _unlink(path)
                 self.no_room = f"rank {self.rank} could not reserve {2 * half} bytes in {SHM_DIR}: {error}"
                 return None
@@ -233,7 +233,7 @@ class ShmTransport:
             with python_free_tls():
                 work = self.group.all_gather_single(rows, mine, _ASYNC)
             if work is not None:
-                wait_named(work, f"the shared-memory sync of a {_KINDS[kind]} over ranks {self._ranks()}")
+                wait_named(work, lambda: f"the shared-memory sync of a {_KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
             self._abandon()
             raise
