@@ -2,6 +2,7 @@
 
     python benchmarks/bench_step.py            # ws 2, GPT ~34M params, batch 4x128, 1 thread/rank
     python benchmarks/bench_step.py --check-off   # also ours without the divergence handshake: its cost
+    python benchmarks/bench_step.py --transport-shm   # also ours with FSDP_COMPOSE_TRANSPORT=shm
 
 Each rank builds the same model from the same seed and trains it three ways, interleaved
 round by round so drift in machine load hits all three alike: torch's FSDP2
@@ -36,8 +37,12 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
+from fsdp_compose.observe.storage import StorageTracker  # noqa: E402
+from fsdp_compose.runtime import shm_transport  # noqa: E402
+from fsdp_compose.runtime.shm_transport import TRANSPORT_ENV, segment_bytes  # noqa: E402
 
 OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved
+OURS_SHM = "ours, shm"  # --transport-shm: ours with FSDP_COMPOSE_TRANSPORT=shm during its steps, interleaved
 CONFIG = GPTConfig(vocab_size=8192, seq_len=128, dim=512, n_heads=8, n_layers=8)
 
 
@@ -54,7 +59,7 @@ def make_runner(kind: str, base: GPT):
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         shard(model, torch_fully_shard)
-    elif kind == "ours":
+    elif kind in ("ours", OURS_SHM):  # the transport is read at each collective: set around OURS_SHM's steps
         from fsdp_compose import fully_shard
 
         shard(model, fully_shard)
@@ -76,9 +81,7 @@ def make_runner(kind: str, base: GPT):
 
     def tracked_peak(batch_size: int) -> int:
         """Peak live tensor bytes of one step, counted by storage from what exists before it."""
-        from fsdp_compose.observe.storage import StorageTracker
-
-        tracker = StorageTracker()
+        tracker = SegmentBlindTracker()
         tracker.track(model.parameters())
         tracker.track(model.buffers())
         for opt_state in optimizer.state.values():
@@ -89,16 +92,42 @@ def make_runner(kind: str, base: GPT):
         return tracker.peak
 
     def step(batch_size: int) -> float:
+        if kind == OURS_SHM:
+            os.environ[TRANSPORT_ENV] = "shm"
         batch = synthetic_batch(CONFIG, batch_size, state["step"], dist.get_rank())
         state["step"] += 1
         loss = lm_loss(model, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+        os.environ.pop(TRANSPORT_ENV, None)
         return loss.item()
 
     step.tracked_peak = tracked_peak
     return step
+
+
+def segment_storages() -> set[int]:
+    """Data pointers of every shared-memory segment this rank has mapped (its own and its peers')."""
+    return {
+        seg.tensor.untyped_storage().data_ptr()
+        for t in list(shm_transport._transports.values()) if t is not None
+        for seg in t.peers if seg is not None
+    }
+
+
+class SegmentBlindTracker(StorageTracker):
+    """A StorageTracker that skips the shm segments: they are added once, as this rank's own
+    segment bytes, instead of once per mapping (a peer's segment is that peer's memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.skip = segment_storages()
+
+    def _see(self, t: object) -> None:
+        if type(t) in (torch.Tensor, torch.nn.Parameter) and t.untyped_storage().data_ptr() in self.skip:
+            return
+        super()._see(t)
 
 
 def time_handshakes() -> dict:
@@ -132,7 +161,8 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    kinds = ["torch", "ours"] + ([OURS_UNCHECKED] if args.check_off else []) + ["compute"]
+    kinds = ["torch", "ours"] + ([OURS_UNCHECKED] if args.check_off else [])
+    kinds += ([OURS_SHM] if args.transport_shm else []) + ["compute"]
     results = {k: {"times": [], "cpu": [], "peak": 0, "live": 0, "bytes": None, "losses": []} for k in kinds}
     for kind in kinds:  # one at a time, so each peak sees only its own model
         torch.manual_seed(0)
@@ -152,6 +182,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         results[kind]["peak"] = rss_bytes("VmHWM") - baseline
         dist.barrier()
         results[kind]["live"] = step.tracked_peak(args.batch_size)
+        results[kind]["segments"] = segment_bytes()  # only OURS_SHM makes segments; they never shrink
         results[kind]["step"] = step
     handshakes = time_handshakes()
     for round_ in range(args.rounds):
@@ -164,7 +195,8 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             results[kind]["cpu"].append((time.process_time() - cpu_start) / args.steps_per_round)
     for kind in kinds:
         del results[kind]["step"]
-    results["handshakes"] = dict(handshakes, steps=args.rounds * args.steps_per_round)
+    with_handshakes = 2 if args.transport_shm else 1  # ours and ours-shm run them
+    results["handshakes"] = dict(handshakes, steps=args.rounds * args.steps_per_round * with_handshakes)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -205,6 +237,8 @@ def report(per_rank, world_size: int, args) -> None:
         print(f"(f) divergence handshake (issue 12): ours default {t['ours']:.3f}s  checks off {off:.3f}s  "
               f"default/off = {t['ours'] / off:.4f} (ratio of medians), {paired:.4f} (median of per-round "
               "ratios); target <= 1.02")
+    if args.transport_shm:
+        print_shm(per_rank, t, cpu, live, mib)
     spent = per_rank[0]["handshakes"]
     per_step = spent["seconds"] / spent["steps"]
     cpu = spent["cpu"] / spent["steps"]
@@ -214,6 +248,24 @@ def report(per_rank, world_size: int, args) -> None:
     ours_losses, torch_losses = per_rank[0]["ours"]["losses"], per_rank[0]["torch"]["losses"]
     print(f"    same losses as torch FSDP2: max |diff| over {len(ours_losses)} steps "
           f"{max(abs(a - b) for a, b in zip(ours_losses, torch_losses)):.2e}")
+
+
+def print_shm(per_rank, t, cpu, live, mib) -> None:
+    shm = statistics.median(per_rank[0][OURS_SHM]["times"])
+    shm_cpu = statistics.median(per_rank[0][OURS_SHM]["cpu"])
+    segments = max(r[OURS_SHM]["segments"] for r in per_rank)
+    shm_live = max(r[OURS_SHM]["live"] + r[OURS_SHM]["segments"] for r in per_rank)
+    print(f"(g) ours with FSDP_COMPOSE_TRANSPORT=shm: step {shm:.3f}s  "
+          f"shm/torch = {shm / t['torch']:.3f} (target <= 0.80)  "
+          f"shm/compute = {shm / t['compute']:.3f} (target <= 1.08)  shm/ours-gloo = {shm / t['ours']:.3f}")
+    print(f"    CPU seconds per step (rank 0, all threads): shm {shm_cpu:.3f}  ours-gloo {cpu['ours']:.3f}  "
+          f"compute-only {cpu['compute']:.3f}  shm/compute = {shm_cpu / cpu['compute']:.3f}")
+    print(f"    peak live bytes per rank INCLUDING its shm segment (storage tracker, segments skipped, + the rank's "
+          f"own segment bytes {segments / mib:.1f} MiB), max over ranks: {shm_live / mib:.1f} MiB  "
+          f"shm/torch = {shm_live / live['torch']:.3f}  (ours-gloo {live['ours'] / mib:.1f} MiB)")
+    ours_losses, shm_losses = per_rank[0]["ours"]["losses"], per_rank[0][OURS_SHM]["losses"]
+    print(f"    same losses as ours over gloo: max |diff| over {len(shm_losses)} steps "
+          f"{max(abs(a - b) for a, b in zip(ours_losses, shm_losses)):.2e}")
 
 
 def print_memory(peak, mib) -> None:
@@ -242,6 +294,8 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true", help="time only, with glibc's default allocator")
     parser.add_argument("--check-off", action="store_true",
                         help="also run ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved, and print default/off")
+    parser.add_argument("--transport-shm", action="store_true",
+                        help="also run ours with FSDP_COMPOSE_TRANSPORT=shm, interleaved, and print its ratios")
     args = parser.parse_args()
     spawn_ranks(rank_main, args)
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from .clean_tls import python_free_tls
 from .handshake import wait_named
+from .shm_transport import transport_for
 
 
 class _LocalWork:
@@ -105,6 +106,9 @@ def all_gather_flat(
     """
     first = pieces[0]
     numel = sum(p.numel() for p in pieces)
+    shm = transport_for(group, layout.world_size, first.device) if comm is None else None
+    if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: through shared memory, synchronously
+        return shm.all_gather_flat(pieces, numel, stats)
     if comm is None:
         output = first.new_empty(layout.world_size * numel)
     else:
@@ -143,6 +147,9 @@ def reduce_scatter_rows(
     refer to are freed before the output is allocated and while the collective is in flight.
     ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
     """
+    shm = transport_for(group, rows[0].shape[0], rows[0].device) if comm is None else None
+    if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: the table is built in shared memory
+        return shm.reduce_scatter_rows(rows, stats, pre_divide)
     if comm is None:
         table = torch.cat(rows, dim=1)
     else:

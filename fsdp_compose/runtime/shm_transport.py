@@ -1,0 +1,390 @@
+"""Opt-in shared-memory transport for CPU all-gathers and reduce-scatters between ranks on one host.
+
+gloo moves CPU tensors through TCP loopback: an all-gather producing 32 MiB costs tens of
+milliseconds of CPU, where copying 32 MiB costs a few. With ``FSDP_COMPOSE_TRANSPORT=shm``
+(read at every collective, so it can differ per model in one process; every rank must set it
+alike), a process group of several ranks whose tensors live on the CPU and whose ranks share
+one host exchanges the data through files under ``/dev/shm`` instead:
+
+- each rank owns one segment, a file mapped with ``torch.from_file(..., shared=True)``, split in
+  two equal halves; collective number ``n`` on the group uses half ``n % 2`` on every rank;
+- a rank writes its contribution (its all-gather row, or its whole reduce-scatter table) into
+  its own half, then a *sync* (a tiny gloo all-gather of ``[magic, kind, bytes, generation,
+  half size]`` per rank, issued on the process group object itself like the handshake, so it
+  is not counted as a data collective) proves every rank has written; then each rank reads
+  what it needs straight from the peers' halves (all rows; or row ``r`` of every table, summed
+  in rank order 0..ws-1, the same on every rank; at ws 2 ``a + b`` is bitwise gloo's sum).
+
+Reuse rule: a rank writes half ``h`` again only in collective ``n + 2``, after the sync of
+collective ``n + 1`` completed. That sync completes only once every peer has entered it, and a
+peer enters it only after it finished reading collective ``n`` (the shm collective is
+synchronous: it returns a completed work object). So no region is overwritten while a peer may
+still read it, with one sync per collective.
+
+A contribution larger than the half makes a new segment (next *generation*, half = that
+contribution, so a rank holds at most ~2x its largest contribution). Peers learn the new
+generation from the sync payload and map it at once; an extra sync then tells the owner that
+everyone mapped it, and the owner unlinks the file: outside a growing collective no file of
+ours exists in ``/dev/shm`` (the mappings live on until dropped). Files are also unlinked at
+exit, and every file of the job (one random prefix per process group, agreed at set-up) when a
+sync fails (a peer died) or ranks disagree.
+
+Set-up, at a group's first shm collective, exchanges a hash of the hostname and the boot id:
+if the ranks are not all on one host (or ``/dev/shm`` is missing), the group keeps using gloo,
+with a one-time warning. A segment's pages are reserved when it is made (``posix_fallocate``), so a
+full ``/dev/shm`` (docker's default is 64 MiB) is a failed reservation, not a SIGBUS at a later
+write; the rank says so in the sync, and every rank runs that collective, and the group's later
+ones, over gloo, with a warning. Ranks that contribute different sizes or kinds get the same
+``ExecutionOrderError`` on every rank, naming the process group's ranks and each rank's size.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import hashlib
+import os
+import secrets
+import socket
+import warnings
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions
+
+from .clean_tls import python_free_tls
+from .handshake import wait_named
+from .order_check import MAGIC, ExecutionOrderError
+
+TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
+SHM_DIR = "/dev/shm"
+FILE_PREFIX = "fsdp_compose_shm_"
+ALL_GATHER, REDUCE_SCATTER = 1, 2
+_KINDS = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter"}
+_ALIGN = 4096  # halves start on page boundaries, so every dtype view is aligned
+_FIELDS = 5  # sync payload per rank: magic, kind, nbytes, generation, half size
+_NO_ROOM = -2  # the generation a rank sends when /dev/shm had no room for its contribution
+
+
+@dataclass
+class ShmCounters:
+    """Collectives this process ran through shared memory; for tests and the benchmark."""
+
+    all_gathers: int = 0
+    reduce_scatters: int = 0
+    syncs: int = 0
+    segments_created: int = 0
+    set_ups: int = 0
+    fallbacks: int = 0  # groups that use gloo after all: ranks on several hosts, or /dev/shm full
+
+
+counters = ShmCounters()
+
+
+def requested() -> bool:
+    """Whether ``FSDP_COMPOSE_TRANSPORT=shm`` is set now."""
+    return os.environ.get(TRANSPORT_ENV) == "shm"
+
+
+def host_identity() -> str:
+    """What must be equal on every rank for them to share ``/dev/shm``: hostname and boot id."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "?"
+    return f"{socket.gethostname()}/{boot}"
+
+
+def segment_bytes() -> int:
+    """Bytes of shared memory this process's own segments hold now (peers' are theirs)."""
+    return sum(t.own.tensor.numel() for t in list(_transports.values()) if t is not None and t.own is not None)
+
+
+class _DoneWork:
+    """The shm collective is synchronous: its work object is already complete."""
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+_DONE = _DoneWork()
+
+
+def _options() -> AllgatherOptions:
+    options = AllgatherOptions()
+    options.asyncOp = True
+    return options
+
+
+_ASYNC = _options()
+
+
+class _Segment:
+    """One mapped file: two halves of ``half`` bytes."""
+
+    def __init__(self, path: str, generation: int, half: int, tensor: torch.Tensor) -> None:
+        self.path = path
+        self.generation = generation
+        self.half = half
+        self.tensor = tensor
+
+    def region(self, index: int, nbytes: int) -> torch.Tensor:
+        start = index * self.half
+        return self.tensor[start : start + nbytes]
+
+
+class ShmTransport:
+    """The segments of one process group (this rank's own, and its mappings of the peers')."""
+
+    def __init__(self, group, prefix: str) -> None:
+        self.group = group
+        self.rank = group.rank()
+        self.world = group.size()
+        self.prefix = prefix
+        self.own: _Segment | None = None
+        self.peers: list[_Segment | None] = [None] * self.world
+        self.calls = 0  # collectives run so far: picks the half
+        self._known = torch.full((self.world, 2), -1, dtype=torch.int64)  # (generation, half) mapped per rank
+        self._mine = torch.zeros(_FIELDS, dtype=torch.int64)
+        self._rows = torch.zeros(self.world * _FIELDS, dtype=torch.int64)
+        self._unlink_after_sync: str | None = None
+        self.no_room = ""  # why this rank could not grow its segment, if it could not
+
+    # ----- segments ---------------------------------------------------------------------------
+    def _own_region(self, nbytes: int) -> torch.Tensor | None:
+        """This rank's half for the coming collective, growing the segment if it is too small;
+        ``None`` if ``/dev/shm`` has no room for the larger segment."""
+        if self.own is None or nbytes > self.own.half:
+            generation = 0 if self.own is None else self.own.generation + 1
+            half = max(_ALIGN, -(-nbytes // _ALIGN) * _ALIGN)
+            path = os.path.join(SHM_DIR, f"{self.prefix}_{self.rank}_{generation}")
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+                _linked.add(path)
+                try:  # reserve the pages now: a full /dev/shm fails here, not with SIGBUS at a write
+                    _fallocate(fd, 2 * half)
+                finally:
+                    os.close(fd)
+            except OSError as error:  # reported in the sync, so every rank falls back alike
+                _unlink(path)
+                self.no_room = f"rank {self.rank} could not reserve {2 * half} bytes in {SHM_DIR}: {error}"
+                return None
+            tensor = torch.from_file(path, shared=True, size=2 * half, dtype=torch.uint8)  # extends the file
+            self.own = self.peers[self.rank] = _Segment(path, generation, half, tensor)
+            self._unlink_after_sync = path
+            counters.segments_created += 1
+        return self.own.region(self.calls % 2, nbytes)
+
+    def _attach(self, rank: int, generation: int, half: int) -> None:
+        path = os.path.join(SHM_DIR, f"{self.prefix}_{rank}_{generation}")
+        tensor = torch.from_file(path, shared=True, size=2 * half, dtype=torch.uint8)
+        self.peers[rank] = _Segment(path, generation, half, tensor)
+
+    # ----- sync -------------------------------------------------------------------------------
+    def _sync(self, kind: int, nbytes: int, has_room: bool) -> bool:
+        """All ranks have written their contribution; check they agree, map new segments.
+        False (on every rank) if a rank had no room for its contribution: the group then
+        stops using shared memory, and this collective runs over gloo."""
+        mine = self._mine
+        generation, half = (self.own.generation, self.own.half) if has_room else (_NO_ROOM, 0)
+        mine[0], mine[1], mine[2], mine[3], mine[4] = MAGIC, kind, nbytes, generation, half
+        self._gather(self._rows, mine, kind)
+        rows = self._rows.view(self.world, _FIELDS)
+        if not torch.equal(rows[:, :3], mine[:3].expand(self.world, 3)):
+            self._raise_disagreement(rows)
+        if torch.equal(rows[:, 3:], self._known):
+            return True
+        if (rows[:, 3] == _NO_ROOM).any():
+            self._stop(rows)
+            return False
+        for rank, (generation, half) in enumerate(rows[:, 3:].tolist()):
+            if rank != self.rank and (generation, half) != tuple(self._known[rank].tolist()):
+                self._attach(rank, generation, half)
+        self._known.copy_(rows[:, 3:])
+        # everyone mapped the new segments once everyone is past this second sync: unlink them
+        self._gather(self._rows.clone(), mine, kind)
+        path, self._unlink_after_sync = self._unlink_after_sync, None
+        if path is not None:
+            _unlink(path)
+        return True
+
+    def _stop(self, rows: torch.Tensor) -> None:
+        """A rank's ``/dev/shm`` is full: this group uses gloo from now on, on every rank."""
+        full = [rank for rank, row in zip(self._ranks(), rows.tolist()) if row[3] == _NO_ROOM]
+        self._abandon()
+        _transports[self.group] = None
+        counters.fallbacks += 1
+        warnings.warn(
+            f"{TRANSPORT_ENV}=shm: {SHM_DIR} has no room for the segment of rank(s) {full} of process group "
+            f"{self._ranks()} ({self.no_room or 'see that rank'}); the group uses gloo from now on. Enlarge "
+            f"{SHM_DIR} (e.g. docker run --shm-size) to keep the transport",
+            stacklevel=4,
+        )
+
+    def _gather(self, rows: torch.Tensor, mine: torch.Tensor, kind: int) -> None:
+        counters.syncs += 1
+        try:
+            with python_free_tls():
+                work = self.group.all_gather_single(rows, mine, _ASYNC)
+            if work is not None:
+                wait_named(work, lambda: f"the shared-memory sync of a {_KINDS[kind]} over ranks {self._ranks()}")
+        except BaseException:
+            self._abandon()
+            raise
+
+    def _ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.group)
+
+    def _raise_disagreement(self, rows: torch.Tensor) -> None:
+        lines = []
+        for rank, (magic, kind, nbytes, _, _) in zip(self._ranks(), rows.tolist()):
+            if magic != MAGIC or kind not in _KINDS:
+                lines.append(f"  rank {rank}: <not a shared-memory collective>")
+            else:
+                lines.append(f"  rank {rank}: {_KINDS[kind]} of {nbytes} bytes")
+        self._abandon()
+        raise ExecutionOrderError(
+            f"Ranks diverged in a shared-memory collective over process group ranks {self._ranks()} "
+            f"({TRANSPORT_ENV}=shm): they contributed different collectives or sizes (a rank skipped a "
+            "sharded module or its backward, ran a different number of forward calls, or ran modules "
+            "in another order; check data-dependent control flow):\n" + "\n".join(lines)
+        )
+
+    def _abandon(self) -> None:
+        """After a failed or diverged sync: unlink every file of this job, forget the group (a
+        later collective, if any, sets up afresh on every rank)."""
+        for path in glob.glob(os.path.join(SHM_DIR, glob.escape(self.prefix) + "_*")):
+            _unlink(path)
+        self.own = None
+        self.peers = [None] * self.world
+        if _transports.get(self.group) is self:
+            del _transports[self.group]
+
+    # ----- collectives ------------------------------------------------------------------------
+    def all_gather_flat(self, pieces: list[torch.Tensor], numel: int, stats) -> tuple[object, torch.Tensor]:
+        """Concatenate ``pieces`` into this rank's half, sync, copy every rank's row out."""
+        first = pieces[0]
+        nbytes = numel * first.element_size()
+        region = self._own_region(nbytes)
+        mine = first.new_empty(numel) if region is None else region.view(first.dtype)
+        if len(pieces) > 1:
+            torch.cat(pieces, out=mine)
+        else:
+            mine.view(first.shape).copy_(first)
+        output = first.new_empty(self.world * numel)
+        stats.all_gathers += 1
+        stats.all_gather_bytes += output.numel() * output.element_size()
+        if not self._sync(ALL_GATHER, nbytes, region is not None):
+            from .collectives import _all_gather  # noqa: PLC0415 - collectives imports this module
+
+            return _all_gather(output, mine, self.group, self.world), output.view(self.world, -1)
+        index = self.calls % 2
+        torch.cat([p.region(index, nbytes).view(first.dtype) for p in self.peers], out=output)
+        self.calls += 1
+        counters.all_gathers += 1
+        return _DONE, output.view(self.world, -1)
+
+    def reduce_scatter_rows(self, rows: list[torch.Tensor], stats, pre_divide: float) -> tuple[object, torch.Tensor]:
+        """Build the (world, width) table in this rank's half, sync, sum row ``rank`` of every table."""
+        width = sum(r.shape[1] for r in rows)
+        dtype = rows[0].dtype
+        nbytes = self.world * width * dtype.itemsize
+        region = self._own_region(nbytes)
+        if region is None:
+            table = torch.cat(rows, dim=1)
+        else:
+            table = region.view(dtype).view(self.world, width)
+            torch.cat(rows, dim=1, out=table)
+        rows.clear()
+        if pre_divide != 1:
+            table.div_(pre_divide)
+        output = table.new_empty(width)
+        stats.reduce_scatters += 1
+        stats.reduce_scatter_bytes += nbytes
+        if not self._sync(REDUCE_SCATTER, nbytes, region is not None):
+            from .collectives import _reduce_scatter  # noqa: PLC0415 - collectives imports this module
+
+            return _reduce_scatter(output, table.view(-1), self.group, self.world), output
+        index = self.calls % 2
+        parts = [p.region(index, nbytes).view(dtype).view(self.world, width)[self.rank] for p in self.peers]
+        torch.add(parts[0], parts[1], out=output)
+        for part in parts[2:]:
+            output.add_(part)
+        self.calls += 1
+        counters.reduce_scatters += 1
+        return _DONE, output
+
+
+# process group -> its transport, or None where set-up fell back to gloo
+_transports: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_linked: set[str] = set()  # files this process created and has not unlinked yet
+_prefixes: set[str] = set()  # every job prefix this process used: cleaned at exit
+_warned = False
+
+
+def transport_for(group, world_size: int, device: torch.device) -> ShmTransport | None:
+    """The group's shm transport if ``FSDP_COMPOSE_TRANSPORT=shm`` applies to this collective."""
+    if world_size == 1 or device.type != "cpu" or os.environ.get(TRANSPORT_ENV) != "shm":
+        return None
+    group = group if group is not None else dist.group.WORLD
+    transport = _transports.get(group, False)
+    if transport is False:
+        transport = _transports[group] = _set_up(group)
+    return transport
+
+
+def _set_up(group) -> ShmTransport | None:
+    """One exchange of (magic, host hash, random prefix, has /dev/shm) per rank; rank 0's prefix."""
+    global _warned
+    digest = hashlib.blake2b(host_identity().encode(), digest_size=7).digest()
+    mine = torch.tensor(
+        [MAGIC, int.from_bytes(digest, "little"), secrets.randbits(62), int(os.path.isdir(SHM_DIR))],
+        dtype=torch.int64,
+    )
+    rows = mine.new_empty(group.size() * 4)
+    with python_free_tls():
+        work = group.all_gather_single(rows, mine, _ASYNC)
+    if work is not None:
+        wait_named(work, f"the shared-memory transport's set-up over ranks {dist.get_process_group_ranks(group)}")
+    table = rows.view(-1, 4).tolist()
+    counters.set_ups += 1
+    if all(row[1] == table[0][1] and row[3] == 1 for row in table):
+        prefix = f"{FILE_PREFIX}{table[0][2]:016x}"
+        _prefixes.add(prefix)
+        return ShmTransport(group, prefix)
+    counters.fallbacks += 1
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            f"{TRANSPORT_ENV}=shm: the ranks of process group {dist.get_process_group_ranks(group)} are not all "
+            f"on one host with {SHM_DIR} (hostname and boot id differ); using gloo for its collectives",
+            stacklevel=2,
+        )
+    return None
+
+
+def _fallocate(fd: int, nbytes: int) -> None:
+    os.posix_fallocate(fd, 0, nbytes)
+
+
+def _unlink(path: str) -> None:
+    _linked.discard(path)
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@atexit.register
+def _unlink_at_exit() -> None:
+    for path in list(_linked):
+        _unlink(path)
+    for prefix in _prefixes:  # a peer killed while growing its segment leaves its file to us
+        for path in glob.glob(os.path.join(SHM_DIR, glob.escape(prefix) + "_*")):
+            _unlink(path)

@@ -1,0 +1,319 @@
+"""FSDP_COMPOSE_TRANSPORT=shm: CPU collectives through /dev/shm give the gloo path's results."""
+
+import glob
+import os
+import signal
+import time
+import warnings
+from contextlib import contextmanager
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+from expecttest import assert_expected_inline
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_compose import fully_shard
+from fsdp_compose.runtime import shm_transport
+from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
+from fsdp_compose.runtime.order_check import CHECK_ENV, ExecutionOrderError
+from tests.harness import run_on_ranks
+from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
+from tests.runtime.test_collectives import count_collectives
+
+DATA = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
+
+
+@contextmanager
+def env(**values):
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
+
+
+def our_files() -> list[str]:
+    """Files of this process's shm jobs still linked in /dev/shm."""
+    return sorted(f for p in shm_transport._prefixes for f in glob.glob(f"{shm_transport.SHM_DIR}/{p}_*"))
+
+
+def _parity(variant: str):
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if variant == "hsdp" else None
+    kwargs = {"reshard_after_forward": variant != "keep"}
+
+    def shard(model):
+        shard_blocks_then_root(model, mesh=mesh, **kwargs)
+        if variant == "separate":  # reduce-scatters on a process group (and so a transport) of their own
+            model.set_separate_reduce_scatter_group()
+
+    before = shm_transport.counters.all_gathers, shm_transport.counters.reduce_scatters
+    set_ups = shm_transport.counters.set_ups
+    with env(FSDP_COMPOSE_TRANSPORT="shm"), count_collectives() as counts:
+        result = train_against_reference(TinyLM, shard, steps=3)
+    result["gloo_data_collectives"] = sum(counts[name] for name in DATA)
+    result["shm"] = (shm_transport.counters.all_gathers - before[0], shm_transport.counters.reduce_scatters - before[1])
+    result["files"] = our_files()
+    result["set_ups"] = shm_transport.counters.set_ups - set_ups
+    result["segment_bytes"] = shm_transport.segment_bytes()
+    return result
+
+
+@pytest.mark.parametrize("world_size,variant", [(2, "separate"), (3, "keep"), (4, "hsdp")])
+def test_parity_with_reference_through_shm(world_size, variant):
+    results = run_on_ranks(world_size, _parity, variant)
+    assert_parity(results)
+    for r in results:
+        assert r["gloo_data_collectives"] == 0, r["gloo_data_collectives"]
+        gathers, scatters = r["shm"]
+        assert gathers >= 3 * 4 and scatters == 3 * 4, r["shm"]  # 4 groups, 3 steps
+        assert r["files"] == []  # outside a growing collective nothing is linked
+        assert r["segment_bytes"] > 0
+        # once per process group (none if an earlier test set up this pool's world group)
+        assert r["set_ups"] <= (2 if variant == "separate" else 1), r["set_ups"]
+
+
+class MixedDtypes(torch.nn.Module):
+    """One group holding fp32 and bf16 parameters: a byte-level all-gather, one reduce-scatter per dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = TinyLM()
+        self.scale = torch.nn.Parameter(torch.ones(37, dtype=torch.bfloat16))
+
+    def forward(self, ids):
+        return self.lm(ids) * self.scale.float()
+
+
+def _bitwise_against_gloo():
+    out = {}
+    for transport in ("gloo", "shm"):
+        torch.manual_seed(0)
+        model = MixedDtypes()
+        for block in model.lm.blocks:
+            fully_shard(block)
+        fully_shard(model)  # the root group: the fp32 embedding and head, and the bf16 scale
+        before = shm_transport.counters.reduce_scatters
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        with env(FSDP_COMPOSE_TRANSPORT=transport):
+            for step in range(3):
+                ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(step + dist.get_rank()))
+                loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.detach())
+        used = shm_transport.counters.reduce_scatters - before
+        assert used == (3 * 5 if transport == "shm" else 0), used  # 3 blocks + fp32 and bf16 of the root
+        out[transport] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
+    (gl, gp), (sl, sp) = out["gloo"], out["shm"]
+    return all(torch.equal(a, b) for a, b in zip(gl + gp, sl + sp))
+
+
+def test_bitwise_equal_to_gloo_at_ws2():
+    assert run_on_ranks(2, _bitwise_against_gloo) == [True, True]
+
+
+def _back_to_back():
+    """Alternating all-gathers and reduce-scatters of growing and shrinking sizes, each checked,
+    while rank 0 reads late (a single shared region, without the two halves, fails this)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.new_group(list(range(world)))
+    stats = CommStats()
+    created = shm_transport.counters.segments_created
+    original = shm_transport.ShmTransport._sync
+
+    def late_reader(self, *args):  # rank 0 reads each collective's segments late: the others run ahead
+        result = original(self, *args)
+        time.sleep(0.02)
+        return result
+
+    if rank == 0:
+        shm_transport.ShmTransport._sync = late_reader
+    with env(FSDP_COMPOSE_TRANSPORT="shm"):
+        for i, n in enumerate([5, 3000, 7, 20000, 1, 20000, 64]):
+            pieces = [torch.arange(n, dtype=torch.float32) + 1000 * rank + i, torch.full((2,), float(rank))]
+            work, gathered = all_gather_flat(pieces, GatherLayout([4 * (n + 2)], world), group, stats, rank=rank)
+            work.wait()
+            expected = torch.stack([torch.cat([torch.arange(n) + 1000 * k + i, torch.full((2,), float(k))])
+                                    for k in range(world)])
+            assert torch.equal(gathered, expected), (i, n)
+            table = [torch.arange(world * n, dtype=torch.float64).view(world, n) * (rank + 1) + i]
+            work, reduced = reduce_scatter_rows(table, group, stats)
+            expected = sum(torch.arange(world * n, dtype=torch.float64).view(world, n)[rank] * (k + 1) + i
+                           for k in range(world))
+            assert torch.equal(reduced, expected), (i, n)
+    shm_transport.ShmTransport._sync = original
+    return shm_transport.counters.segments_created - created, our_files()
+
+
+def test_back_to_back_collectives_of_different_sizes():
+    results = run_on_ranks(3, _back_to_back)
+    for created, files in results:
+        # a new segment only when a contribution outgrows the half: the first call, then
+        # all-gathers of 3002 and 20002 floats and reduce-scatters of 3x3000 and 3x20000 doubles
+        assert created == 5, created
+        assert files == []
+
+
+def _diverging_sizes():
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    with env(FSDP_COMPOSE_TRANSPORT="shm", **{CHECK_ENV: "0"}):
+        table = [torch.ones(2, 4 + rank)]
+        try:
+            reduce_scatter_rows(table, group, CommStats())
+        except ExecutionOrderError as error:
+            message = str(error)
+        files = our_files()
+        # every rank raised, so a later collective sets up afresh and works
+        work, reduced = reduce_scatter_rows([torch.ones(2, 3)], group, CommStats())
+    return message, files, reduced.tolist()
+
+
+def test_diverging_sizes_named_on_every_rank():
+    results = run_on_ranks(2, _diverging_sizes)
+    assert results[0][0] == results[1][0]
+    assert_expected_inline(results[0][0], """\
+Ranks diverged in a shared-memory collective over process group ranks [0, 1] (FSDP_COMPOSE_TRANSPORT=shm): they contributed different collectives or sizes (a rank skipped a sharded module or its backward, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: reduce-scatter of 32 bytes
+  rank 1: reduce-scatter of 40 bytes""")
+    for _, files, reduced in results:
+        assert files == []
+        assert reduced == [2.0, 2.0, 2.0]
+
+
+def _host_mismatch():
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    original = shm_transport.host_identity
+    if rank == 1:
+        shm_transport.host_identity = lambda: "another-host/boot"
+    shm_transport._warned = False
+    try:
+        with env(FSDP_COMPOSE_TRANSPORT="shm"), warnings.catch_warnings(record=True) as caught, \
+                count_collectives() as counts:
+            warnings.simplefilter("always")
+            pieces = [torch.full((3,), float(rank))]
+            work, gathered = all_gather_flat(pieces, GatherLayout([12], 2), group, CommStats(), rank=rank)
+            work.wait()
+            # a tensor not on the CPU never takes the shm path
+            assert shm_transport.transport_for(group, 2, torch.device("meta")) is None
+    finally:
+        shm_transport.host_identity = original
+    return gathered.tolist(), sum(counts[n] for n in DATA), [str(w.message) for w in caught]
+
+
+def test_host_mismatch_falls_back_to_gloo_with_a_warning():
+    results = run_on_ranks(2, _host_mismatch)
+    for gathered, gloo_calls, caught in results:
+        assert gathered == [[0.0] * 3, [1.0] * 3]
+        assert gloo_calls == 1
+        assert_expected_inline("\n".join(caught), """\
+FSDP_COMPOSE_TRANSPORT=shm: the ranks of process group [0, 1] are not all on one host with /dev/shm (hostname and boot id differ); using gloo for its collectives""")
+
+
+def _shm_full():
+    """Rank 1's /dev/shm has no room to grow its segment: that collective and the group's later
+    ones run over gloo on every rank, with a warning, and give the same results."""
+    import errno
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    original = shm_transport._fallocate
+
+    def full(fd, nbytes):
+        if nbytes > 2 * 4096:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        original(fd, nbytes)
+
+    if rank == 1:
+        shm_transport._fallocate = full
+    gathered = []
+    try:
+        with env(FSDP_COMPOSE_TRANSPORT="shm"), warnings.catch_warnings(record=True) as caught, \
+                count_collectives() as counts:
+            warnings.simplefilter("always")
+            for n in (10, 5000, 5000):
+                work, out = all_gather_flat([torch.full((n,), float(rank))], GatherLayout([4 * n], 2), group,
+                                            CommStats(), rank=rank)
+                work.wait()
+                gathered.append(torch.equal(out, torch.stack([torch.zeros(n), torch.ones(n)])))
+            work, reduced = reduce_scatter_rows([torch.ones(2, 3000)], group, CommStats())
+            work.wait()
+    finally:
+        shm_transport._fallocate = original
+    return (gathered, reduced.eq(2).all().item(), sum(counts[n] for n in DATA), our_files(),
+            [str(w.message) for w in caught])
+
+
+def test_full_dev_shm_falls_back_to_gloo_on_every_rank():
+    results = run_on_ranks(2, _shm_full)
+    for gathered, reduced_ok, gloo_calls, files, _ in results:
+        assert gathered == [True, True, True] and reduced_ok
+        assert gloo_calls == 3  # the collective that found no room, and the two after it
+        assert files == []
+    assert_expected_inline("\n".join(r[4][0] for r in results), """\
+FSDP_COMPOSE_TRANSPORT=shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (see that rank); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport
+FSDP_COMPOSE_TRANSPORT=shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (rank 1 could not reserve 40960 bytes in /dev/shm: [Errno 28] No space left on device); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport""")
+
+
+def _killed_rank(rank: int, port: int, results) -> None:
+    """Rank 1 dies (SIGKILL) right after creating a grown segment, before the sync that would
+    unlink it; rank 0's failed sync then unlinks every file of the job."""
+    os.environ["FSDP_COMPOSE_TRANSPORT"] = "shm"
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
+    )
+    group = dist.group.WORLD
+    stats = CommStats()
+    for n in (10, 10, 10):
+        all_gather_flat([torch.ones(n)], GatherLayout([4 * n], 2), group, stats, rank=rank)
+    prefix = next(iter(shm_transport._prefixes))
+    if rank == 1:
+        original = shm_transport.ShmTransport._sync
+
+        def die(self, *args):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        shm_transport.ShmTransport._sync = die
+        del original
+    try:
+        all_gather_flat([torch.ones(5000)], GatherLayout([20000], 2), group, stats, rank=rank)
+        outcome = "no error"
+    except Exception as error:  # noqa: BLE001 - the type is what the test reports
+        outcome = type(error).__name__
+    if rank == 0:
+        results.put((outcome, prefix))
+
+
+def test_no_files_left_when_a_rank_is_killed_mid_run():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_killed_rank, args=(r, port, results), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        outcome, prefix = results.get(timeout=90)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert outcome == "CollectiveError"
+    assert procs[1].exitcode == -signal.SIGKILL
+    assert glob.glob(f"{shm_transport.SHM_DIR}/{prefix}_*") == []
