@@ -22,7 +22,9 @@ synchronous: it returns a completed work object). So no region is overwritten wh
 still read it, with one sync per collective.
 
 A contribution larger than the half makes a new segment (next *generation*, half = that
-contribution, so a rank holds at most ~2x its largest contribution). Peers learn the new
+contribution), up to ``FSDP_COMPOSE_SHM_CHUNK_BYTES`` (default 8 MiB, rank 0's value): a larger
+contribution is exchanged in chunks of that size, one sync each, through a private buffer (the
+gloo path's buffers). So a rank holds at most 2x min(chunk, its largest contribution). Peers learn the new
 generation from the sync payload and map it at once; an extra sync then tells the owner that
 everyone mapped it, and the owner unlinks the file: outside a growing collective no file of
 ours exists in ``/dev/shm`` (the mappings live on until dropped). Files are also unlinked at
@@ -59,6 +61,8 @@ from .handshake import wait_named
 from .order_check import MAGIC, ExecutionOrderError
 
 TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
+CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
+DEFAULT_CHUNK = 8 << 20
 SHM_DIR = "/dev/shm"
 FILE_PREFIX = "fsdp_compose_shm_"
 ALL_GATHER, REDUCE_SCATTER = 1, 2
@@ -142,8 +146,9 @@ class _Segment:
 class ShmTransport:
     """The segments of one process group (this rank's own, and its mappings of the peers')."""
 
-    def __init__(self, group, prefix: str) -> None:
+    def __init__(self, group, prefix: str, chunk: int = DEFAULT_CHUNK) -> None:
         self.group = group
+        self.chunk = -(-chunk // 64) * 64  # the most one exchange moves: whole elements of any dtype
         self.rank = group.rank()
         self.world = group.size()
         self.prefix = prefix
@@ -268,35 +273,54 @@ class ShmTransport:
 
     # ----- collectives ------------------------------------------------------------------------
     def all_gather_flat(self, pieces: list[torch.Tensor], numel: int, stats) -> tuple[object, torch.Tensor]:
-        """Concatenate ``pieces`` into this rank's half, sync, copy every rank's row out."""
+        """Concatenate ``pieces`` into this rank's half, sync, copy every rank's row out; a row
+        larger than a chunk is concatenated into the output and exchanged chunk by chunk."""
         first = pieces[0]
         nbytes = numel * first.element_size()
-        region = self._own_region(nbytes)
-        mine = first.new_empty(numel) if region is None else region.view(first.dtype)
-        if len(pieces) > 1:
-            torch.cat(pieces, out=mine)
-        else:
-            mine.view(first.shape).copy_(first)
         output = first.new_empty(self.world * numel)
+        rows = output.view(self.world, numel)
         stats.all_gathers += 1
         stats.all_gather_bytes += output.numel() * output.element_size()
-        if not self._sync(ALL_GATHER, nbytes, region is not None):
-            from .collectives import _all_gather  # noqa: PLC0415 - collectives imports this module
-
-            return _all_gather(output, mine, self.group, self.world), output.view(self.world, -1)
-        index = self.calls % 2
-        torch.cat([p.region(index, nbytes).view(first.dtype) for p in self.peers], out=output)
-        self.calls += 1
+        if nbytes <= self.chunk:
+            region = self._own_region(nbytes)
+            mine = rows[self.rank] if region is None else region.view(first.dtype)
+            _concat(pieces, mine)
+            if not self._sync(ALL_GATHER, nbytes, region is not None):
+                return self._gloo_all_gather(output, mine), rows
+            torch.cat([p.region(self.calls % 2, nbytes).view(first.dtype) for p in self.peers], out=output)
+            self.calls += 1
+        else:
+            mine = rows[self.rank]
+            _concat(pieces, mine)
+            by_byte = rows.view(torch.uint8)
+            for start in range(0, nbytes, self.chunk):
+                size = min(self.chunk, nbytes - start)
+                region = self._own_region(size)  # grows at the first chunk only: later ones fit
+                if region is not None:
+                    region.copy_(by_byte[self.rank, start : start + size])
+                if not self._sync(ALL_GATHER, nbytes, region is not None):
+                    return self._gloo_all_gather(output, mine), rows
+                for rank, peer in enumerate(self.peers):
+                    if rank != self.rank:
+                        by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
+                self.calls += 1
         counters.all_gathers += 1
-        return _DONE, output.view(self.world, -1)
+        return _DONE, rows
+
+    def _gloo_all_gather(self, output: torch.Tensor, mine: torch.Tensor):
+        from .collectives import _all_gather  # noqa: PLC0415 - collectives imports this module
+
+        return _all_gather(output, mine, self.group, self.world)
 
     def reduce_scatter_rows(self, rows: list[torch.Tensor], stats, pre_divide: float) -> tuple[object, torch.Tensor]:
-        """Build the (world, width) table in this rank's half, sync, sum row ``rank`` of every table."""
+        """Build the (world, width) table in this rank's half, sync, sum row ``rank`` of every
+        table; a table larger than a chunk is built privately and exchanged by column blocks."""
         width = sum(r.shape[1] for r in rows)
         dtype = rows[0].dtype
         nbytes = self.world * width * dtype.itemsize
-        region = self._own_region(nbytes)
-        if region is None:
+        columns = width if nbytes <= self.chunk else max(1, self.chunk // (self.world * dtype.itemsize))
+        region = self._own_region(self.world * columns * dtype.itemsize)
+        if region is None or columns < width:
             table = torch.cat(rows, dim=1)
         else:
             table = region.view(dtype).view(self.world, width)
@@ -307,18 +331,32 @@ class ShmTransport:
         output = table.new_empty(width)
         stats.reduce_scatters += 1
         stats.reduce_scatter_bytes += nbytes
-        if not self._sync(REDUCE_SCATTER, nbytes, region is not None):
-            from .collectives import _reduce_scatter  # noqa: PLC0415 - collectives imports this module
+        for start in range(0, width, columns):
+            end = min(start + columns, width)
+            size = self.world * (end - start) * dtype.itemsize
+            if start > 0:
+                region = self._own_region(size)  # fits the half the first block made
+            if region is not None and columns < width:
+                region.view(dtype).view(self.world, end - start).copy_(table[:, start:end])
+            if not self._sync(REDUCE_SCATTER, nbytes, region is not None):  # only at the first block
+                from .collectives import _reduce_scatter  # noqa: PLC0415 - collectives imports this module
 
-            return _reduce_scatter(output, table.view(-1), self.group, self.world), output
-        index = self.calls % 2
-        parts = [p.region(index, nbytes).view(dtype).view(self.world, width)[self.rank] for p in self.peers]
-        torch.add(parts[0], parts[1], out=output)
-        for part in parts[2:]:
-            output.add_(part)
-        self.calls += 1
+                return _reduce_scatter(output, table.view(-1), self.group, self.world), output
+            index = self.calls % 2
+            parts = [p.region(index, size).view(dtype).view(self.world, end - start)[self.rank] for p in self.peers]
+            torch.add(parts[0], parts[1], out=output[start:end])
+            for part in parts[2:]:
+                output[start:end].add_(part)
+            self.calls += 1
         counters.reduce_scatters += 1
         return _DONE, output
+
+
+def _concat(pieces: list[torch.Tensor], out: torch.Tensor) -> None:
+    if len(pieces) > 1:
+        torch.cat(pieces, out=out)
+    else:
+        out.view(pieces[0].shape).copy_(pieces[0])
 
 
 # process group -> its transport, or None where set-up fell back to gloo
@@ -340,24 +378,25 @@ def transport_for(group, world_size: int, device: torch.device) -> ShmTransport 
 
 
 def _set_up(group) -> ShmTransport | None:
-    """One exchange of (magic, host hash, random prefix, has /dev/shm) per rank; rank 0's prefix."""
+    """One exchange of (magic, host hash, random prefix, has /dev/shm, chunk bytes) per rank;
+    rank 0's prefix and chunk size are used (the chunking must be the same on every rank)."""
     global _warned
     digest = hashlib.blake2b(host_identity().encode(), digest_size=7).digest()
     mine = torch.tensor(
-        [MAGIC, int.from_bytes(digest, "little"), secrets.randbits(62), int(os.path.isdir(SHM_DIR))],
+        [MAGIC, int.from_bytes(digest, "little"), secrets.randbits(62), int(os.path.isdir(SHM_DIR)), _chunk_bytes()],
         dtype=torch.int64,
     )
-    rows = mine.new_empty(group.size() * 4)
+    rows = mine.new_empty(group.size() * 5)
     with python_free_tls():
         work = group.all_gather_single(rows, mine, _ASYNC)
     if work is not None:
         wait_named(work, f"the shared-memory transport's set-up over ranks {dist.get_process_group_ranks(group)}")
-    table = rows.view(-1, 4).tolist()
+    table = rows.view(-1, 5).tolist()
     counters.set_ups += 1
     if all(row[1] == table[0][1] and row[3] == 1 for row in table):
         prefix = f"{FILE_PREFIX}{table[0][2]:016x}"
         _prefixes.add(prefix)
-        return ShmTransport(group, prefix)
+        return ShmTransport(group, prefix, table[0][4])
     counters.fallbacks += 1
     if not _warned:
         _warned = True
@@ -367,6 +406,17 @@ def _set_up(group) -> ShmTransport | None:
             stacklevel=2,
         )
     return None
+
+
+def _chunk_bytes() -> int:
+    value = os.environ.get(CHUNK_ENV, "")
+    try:
+        chunk = int(value) if value else DEFAULT_CHUNK
+    except ValueError:
+        chunk = 0
+    if chunk <= 0:
+        raise ValueError(f"{CHUNK_ENV}={value!r}: expected a positive number of bytes (default {DEFAULT_CHUNK})")
+    return chunk
 
 
 def _fallocate(fd: int, nbytes: int) -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compose import fully_shard
 from fsdp_compose.runtime import shm_transport
@@ -44,8 +44,10 @@ def our_files() -> list[str]:
     return sorted(f for p in shm_transport._prefixes for f in glob.glob(f"{shm_transport.SHM_DIR}/{p}_*"))
 
 
-def _parity(variant: str):
+def _parity(variant: str, chunk: str = ""):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if variant == "hsdp" else None
+    if chunk:  # a fresh process group: the chunk size is agreed when a group's transport is set up
+        mesh = DeviceMesh.from_group(dist.new_group(list(range(dist.get_world_size()))), "cpu")
     kwargs = {"reshard_after_forward": variant != "keep"}
 
     def shard(model):
@@ -54,20 +56,24 @@ def _parity(variant: str):
             model.set_separate_reduce_scatter_group()
 
     before = shm_transport.counters.all_gathers, shm_transport.counters.reduce_scatters
-    set_ups = shm_transport.counters.set_ups
-    with env(FSDP_COMPOSE_TRANSPORT="shm"), count_collectives() as counts:
+    set_ups, syncs = shm_transport.counters.set_ups, shm_transport.counters.syncs
+    chunked = {shm_transport.CHUNK_ENV: chunk} if chunk else {}
+    with env(FSDP_COMPOSE_TRANSPORT="shm", **chunked), count_collectives() as counts:
         result = train_against_reference(TinyLM, shard, steps=3)
     result["gloo_data_collectives"] = sum(counts[name] for name in DATA)
     result["shm"] = (shm_transport.counters.all_gathers - before[0], shm_transport.counters.reduce_scatters - before[1])
     result["files"] = our_files()
     result["set_ups"] = shm_transport.counters.set_ups - set_ups
+    result["exchanges"] = shm_transport.counters.syncs - syncs - sum(result["shm"])  # beyond one per collective
     result["segment_bytes"] = shm_transport.segment_bytes()
     return result
 
 
-@pytest.mark.parametrize("world_size,variant", [(2, "separate"), (3, "keep"), (4, "hsdp")])
-def test_parity_with_reference_through_shm(world_size, variant):
-    results = run_on_ranks(world_size, _parity, variant)
+@pytest.mark.parametrize("world_size,variant,chunk", [(2, "separate", ""), (3, "keep", ""), (4, "hsdp", ""),
+                                                     (3, "chunked", "256")])
+def test_parity_with_reference_through_shm(world_size, variant, chunk):
+    """``chunked``: 256-byte chunks, so most contributions go in several exchanges."""
+    results = run_on_ranks(world_size, _parity, variant, chunk)
     assert_parity(results)
     for r in results:
         assert r["gloo_data_collectives"] == 0, r["gloo_data_collectives"]
@@ -77,6 +83,8 @@ def test_parity_with_reference_through_shm(world_size, variant):
         assert r["segment_bytes"] > 0
         # once per process group (none if an earlier test set up this pool's world group)
         assert r["set_ups"] <= (2 if variant == "separate" else 1), r["set_ups"]
+        if chunk:  # most contributions exceed 256 bytes: several exchanges each
+            assert r["exchanges"] > sum(r["shm"]), (r["exchanges"], r["shm"])
 
 
 class MixedDtypes(torch.nn.Module):
@@ -121,7 +129,7 @@ def test_bitwise_equal_to_gloo_at_ws2():
     assert run_on_ranks(2, _bitwise_against_gloo) == [True, True]
 
 
-def _back_to_back():
+def _back_to_back(chunk: str):
     """Alternating all-gathers and reduce-scatters of growing and shrinking sizes, each checked,
     while rank 0 reads late (a single shared region, without the two halves, fails this)."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -137,7 +145,7 @@ def _back_to_back():
 
     if rank == 0:
         shm_transport.ShmTransport._sync = late_reader
-    with env(FSDP_COMPOSE_TRANSPORT="shm"):
+    with env(FSDP_COMPOSE_TRANSPORT="shm", **({shm_transport.CHUNK_ENV: chunk} if chunk else {})):
         for i, n in enumerate([5, 3000, 7, 20000, 1, 20000, 64]):
             pieces = [torch.arange(n, dtype=torch.float32) + 1000 * rank + i, torch.full((2,), float(rank))]
             work, gathered = all_gather_flat(pieces, GatherLayout([4 * (n + 2)], world), group, stats, rank=rank)
@@ -154,12 +162,14 @@ def _back_to_back():
     return shm_transport.counters.segments_created - created, our_files()
 
 
-def test_back_to_back_collectives_of_different_sizes():
-    results = run_on_ranks(3, _back_to_back)
+@pytest.mark.parametrize("chunk", ["", "1024"])
+def test_back_to_back_collectives_of_different_sizes(chunk):
+    results = run_on_ranks(3, _back_to_back, chunk)
     for created, files in results:
         # a new segment only when a contribution outgrows the half: the first call, then
-        # all-gathers of 3002 and 20002 floats and reduce-scatters of 3x3000 and 3x20000 doubles
-        assert created == 5, created
+        # all-gathers of 3002 and 20002 floats and reduce-scatters of 3x3000 and 3x20000 doubles;
+        # with 1 KiB chunks the first half (one page) holds every chunk
+        assert created == (1 if chunk else 5), created
         assert files == []
 
 
