@@ -74,14 +74,20 @@ class CommStats:
     all_reduce_bytes: int = 0
 
 
-@dataclass
 class PendingCollective:
-    """An issued collective; ``finish`` waits and runs the copy-out once."""
+    """An issued collective; ``finish`` waits and runs the copy-out once.
 
-    work: object
-    on_done: Callable[[], None] | None
-    done: bool = False
-    what: str = "a collective"  # how a failed wait names it
+    ``what`` names it if the wait fails: a string, or a function that builds one (so the
+    message is not formatted on every collective). A plain slotted class: two are made per
+    group and step."""
+
+    __slots__ = ("work", "on_done", "done", "what")
+
+    def __init__(self, work: object, on_done: Callable[[], None] | None, what: str | Callable[[], str] = "a collective") -> None:
+        self.work = work
+        self.on_done = on_done
+        self.done = False
+        self.what = what
 
     def finish(self) -> None:
         if self.done:

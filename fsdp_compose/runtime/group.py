@@ -130,7 +130,13 @@ class ParamGroup:
                         pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows)
-        self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
+        self.pending_unshard = PendingCollective(work, finish, what=self._name_all_gather)
+
+    def _name_all_gather(self) -> str:
+        return f"the all-gather of {self.label}"
+
+    def _name_reduce_scatter(self) -> str:
+        return f"the reduce-scatter of {self.label}"
 
     def _handshake(self, kind: int, nbytes: int, group) -> None:
         self.handshakes.check(kind, nbytes, group, self.describe)
@@ -204,7 +210,8 @@ class ParamGroup:
             for dtype, params in by_dtype.items():
                 grads = [p.unsharded_grad() for p in params]
                 rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
-                rows.append(self._flag_rows(dtype, [g is not None for g in grads]))
+                present = [g is not None for g in grads]
+                rows.append(self._flag_rows(dtype, present))
                 del grads  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 for p in params:
                     p.clear_unsharded_grad()
@@ -218,9 +225,8 @@ class ParamGroup:
                 self._handshake(REDUCE_SCATTER, sum(r.shape[1] for r in rows) * dtype.itemsize, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
                     work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
-                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor)
-                what = f"the reduce-scatter of {self.label}"
-                self.pending_reduces.append(PendingCollective(work, finish, what=what))
+                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all(present))
+                self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
         """Every row holds this rank's has-gradient flags; the common all-present case is cached."""
@@ -234,8 +240,16 @@ class ParamGroup:
         return flags.expand(self.world_size, -1)
 
     def _finish_reduce(
-        self, params: list[ShardedParam], reduced: torch.Tensor, pre_divided: float, all_reduce: bool, factor: float
+        self,
+        params: list[ShardedParam],
+        reduced: torch.Tensor,
+        pre_divided: float,
+        all_reduce: bool,
+        factor: float,
+        all_present: bool = False,
     ) -> None:
+        """``all_present``: this rank sent a gradient for every parameter, so every summed flag
+        is positive (flags are >= 0 on every rank) and reading them back can be skipped."""
         if self.replicate_group is not None:
             earlier = self._partial.pop(reduced.dtype, None)
             if earlier is not None:
@@ -245,7 +259,7 @@ class ParamGroup:
                 return
             with labelled("all_reduce", self):
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
-        received = reduced[-len(params):].tolist()
+        received = [1] * len(params) if all_present else reduced[-len(params):].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
         if factor != pre_divided:
