@@ -59,6 +59,7 @@ class ParamGroup:
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
+        self._by_reduce_dtype: dict[torch.dtype, list[ShardedParam]] | None = None  # built by the first reduce
         self.mesh = mesh
         self.device = device
         self._all_present: dict[torch.dtype, torch.Tensor] = {}
@@ -93,6 +94,7 @@ class ParamGroup:
         """Recompute what depends on the parameters' dtypes and ``requires_grad`` after some
         were adopted anew (``runtime/refresh.py``); the group must be sharded."""
         self.trainable = [p for p in self.params if p.requires_grad]
+        self._by_reduce_dtype = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in self.params], self.world_size)
         if self.post_forward is not None:
             self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
@@ -124,7 +126,8 @@ class ParamGroup:
                     for p in self.params:
                         pieces.extend(p.gather_pieces())
                 layout, rows = self.layout, self.world_size
-                self._handshake(ALL_GATHER, sum(p.numel() for p in pieces), self.process_group)
+                nbytes = layout.total if self.header is None else layout.total + HEADER_BYTES  # the pieces' bytes
+                self._handshake(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
                         pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank
@@ -147,7 +150,10 @@ class ParamGroup:
             gathered = gathered[:, HEADER_BYTES:]
         with grad_off():
             with labelled("copy_out", self):
-                targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
+                if rows == self.world_size:  # the targets already are (world, padded bytes)
+                    targets = [p.alloc_unsharded() for p in self.params]
+                else:
+                    targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
                 for p in self.params:
                     p.finish_copy_out()
@@ -203,9 +209,11 @@ class ParamGroup:
         With HSDP and ``all_reduce=False`` the reduced shards are kept as partial sums and
         folded into the next all-reduced reduction (gradient accumulation across replicas).
         """
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for p in self.trainable:
-            by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
+        by_dtype = self._by_reduce_dtype
+        if by_dtype is None:
+            by_dtype = self._by_reduce_dtype = {}
+            for p in self.trainable:
+                by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
         with grad_off():
             for dtype, params in by_dtype.items():
                 grads = [p.unsharded_grad() for p in params]
