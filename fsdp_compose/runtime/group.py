@@ -59,7 +59,7 @@ class ParamGroup:
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
-        self._by_reduce_dtype: dict[torch.dtype, list[ShardedParam]] | None = None  # built by the first reduce
+        self._reduce_plan: list[tuple[torch.dtype, list[ShardedParam], int]] | None = None  # built by the first reduce
         self.mesh = mesh
         self.device = device
         self._all_present: dict[torch.dtype, torch.Tensor] = {}
@@ -94,7 +94,7 @@ class ParamGroup:
         """Recompute what depends on the parameters' dtypes and ``requires_grad`` after some
         were adopted anew (``runtime/refresh.py``); the group must be sharded."""
         self.trainable = [p for p in self.params if p.requires_grad]
-        self._by_reduce_dtype = None
+        self._reduce_plan = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in self.params], self.world_size)
         if self.post_forward is not None:
             self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
@@ -209,36 +209,43 @@ class ParamGroup:
         With HSDP and ``all_reduce=False`` the reduced shards are kept as partial sums and
         folded into the next all-reduced reduction (gradient accumulation across replicas).
         """
-        by_dtype = self._by_reduce_dtype
-        if by_dtype is None:
-            by_dtype = self._by_reduce_dtype = {}
+        plan = self._reduce_plan
+        if plan is None:  # per reduce dtype: its parameters and the bytes one rank sends
+            by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
             for p in self.trainable:
                 by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
+            plan = self._reduce_plan = [
+                (dtype, params, (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize)
+                for dtype, params in by_dtype.items()
+            ]
+        comm = self.comm
+        group = comm.reduce_process_group or self.process_group
+        factor = comm.gradient_divide_factor or self.dp_size
         with grad_off():
-            for dtype, params in by_dtype.items():
-                grads = [p.unsharded_grad() for p in params]
-                rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
-                present = [g is not None for g in grads]
-                rows.append(self._flag_rows(dtype, present))
-                del grads  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
+            for dtype, params, nbytes in plan:
+                rows, present = [], []
                 for p in params:
+                    grad = p.unsharded_grad()
+                    present.append(grad is not None)
+                    rows.append(p.padded_grad_rows(grad))
                     p.clear_unsharded_grad()
+                grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
+                all_present = all(present)
+                rows.append(self._flag_rows(dtype, present, all_present))
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
-                factor = self.comm.gradient_divide_factor or self.dp_size
                 if dtype.itemsize >= 4:
                     pre_divide = 1
                 else:
-                    pre_divide = self.world_size if self.comm.gradient_divide_factor is None else factor
-                group = self.comm.reduce_process_group or self.process_group
-                self._handshake(REDUCE_SCATTER, sum(r.shape[1] for r in rows) * dtype.itemsize, group)
+                    pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
+                self._handshake(REDUCE_SCATTER, nbytes, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
-                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all(present))
+                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm.reduce_scatter)
+                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all_present)
                 self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
 
-    def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
+    def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
         """Every row holds this rank's has-gradient flags; the common all-present case is cached."""
-        if all(present):
+        if all_present:
             rows = self._all_present.get(dtype)
             if rows is None:
                 ones = torch.ones(len(present), dtype=dtype, device=self.device)
@@ -271,7 +278,7 @@ class ParamGroup:
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
         if factor != pre_divided:
-            reduced.div_(factor / pre_divided)
+            reduced.div_(_divisor(factor / pre_divided, reduced.dtype))
         offset = 0
         for p, flag in zip(params, received):
             if flag > 0:
@@ -297,6 +304,24 @@ class ParamGroup:
         self._kept = None
         for p in self.params:
             p.clear_unsharded_grad()
+
+
+_DIVISORS: dict[float, torch.Tensor] = {}
+
+
+def _divisor(value: float, dtype: torch.dtype) -> float | torch.Tensor:
+    """``value`` as a cached 0-dim fp32 CPU tensor for fp32 gradients, else as it is.
+
+    Dividing by a Python number first wraps it into a tensor (about 1 µs per call); a 0-dim CPU
+    tensor takes the same scalar path through the kernel, so the result is bit-identical. Only
+    fp32, where the number is rounded to fp32 either way; other dtypes keep the number.
+    """
+    if dtype != torch.float32:
+        return value
+    divisor = _DIVISORS.get(value)
+    if divisor is None:
+        divisor = _DIVISORS[value] = torch.tensor(value, dtype=torch.float32, device="cpu")
+    return divisor
 
 
 def _discard() -> None:
