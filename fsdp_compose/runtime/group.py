@@ -279,10 +279,10 @@ class ParamGroup:
             self.comm.all_reduce_hook(reduced[: -len(params)])
         if factor != pre_divided:
             reduced.div_(_divisor(factor / pre_divided, reduced.dtype))
-        offset = 0
+        offset = reduced.storage_offset()
         for p, flag in zip(params, received):
-            if flag > 0:
-                p.accumulate_grad(reduced[offset : offset + p.local_numel])
+            if flag > 0:  # this rank's shard, shaped (one view op where a slice and a view took two)
+                p.accumulate_grad(reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
             offset += p.padded_numel
 
     def wait_reduces(self) -> None:

@@ -175,6 +175,7 @@ class ShardedParam:
         others = tuple(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
         self.comm_shape = torch.Size((size, *others))
         self.comm_local_shape = torch.Size((self.local_rows, *others))
+        self.comm_local_strides = contiguous_strides(self.comm_local_shape)
 
         with torch.no_grad():
             local = source.detach().narrow(shard_dim, start, end - start).to(layout.storage_device)
@@ -380,7 +381,8 @@ class ShardedParam:
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard into the sharded ``.grad`` (own dtype and device)."""
-        local_grad = local_grad.view(self.local_shape)
+        if local_grad.shape != self.local_shape:
+            local_grad = local_grad.view(self.local_shape)
         current = self.sharded_param.grad
         if current is None:
             if local_grad.dtype != self.dtype or local_grad.device != self.layout.storage_device:
