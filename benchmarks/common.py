@@ -5,10 +5,11 @@ from __future__ import annotations
 import argparse
 import socket
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 
-import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 COUNTED = {"all_gather_single": "gather", "reduce_scatter_single": "scatter"}
 
@@ -29,27 +30,33 @@ def reset_peak_rss() -> None:
 
 @contextmanager
 def count_bytes():
-    """Bytes each rank receives through all-gathers and sends through reduce-scatters."""
+    """Bytes each rank receives through all-gathers and sends through reduce-scatters.
+
+    Counted where the collectives reach the process group (``ProcessGroup.all_gather_single``,
+    which ``dist.all_gather_single`` calls and fsdp_compose calls directly), leaving out
+    fsdp_compose's order-check handshake, which moves no parameter data."""
     totals = {"gather": 0, "scatter": 0, "gather_calls": 0, "scatter_calls": 0}
-    originals = {name: getattr(dist, name) for name in COUNTED}
+    originals = {name: getattr(ProcessGroup, name) for name in COUNTED}
+    raw = {name: vars(ProcessGroup)[name] for name in COUNTED}  # what restoring needs (pybind)
 
     def wrap(name, kind):
-        def call(output, input, *args, **kwargs):
-            world = dist.get_world_size(kwargs.get("group"))
-            tensor = output if kind == "gather" else input
-            totals[kind] += tensor.numel() * tensor.element_size() * (world - 1) // world
-            totals[kind + "_calls"] += 1
-            return originals[name](output, input, *args, **kwargs)
+        def call(group, output, input, *args, **kwargs):
+            if not sys._getframe(1).f_code.co_filename.endswith("handshake.py"):
+                world = group.size()
+                tensor = output if kind == "gather" else input
+                totals[kind] += tensor.numel() * tensor.element_size() * (world - 1) // world
+                totals[kind + "_calls"] += 1
+            return originals[name](group, output, input, *args, **kwargs)
 
         return call
 
     for name, kind in COUNTED.items():
-        setattr(dist, name, wrap(name, kind))
+        setattr(ProcessGroup, name, wrap(name, kind))
     try:
         yield totals
     finally:
-        for name, fn in originals.items():
-            setattr(dist, name, fn)
+        for name, fn in raw.items():
+            setattr(ProcessGroup, name, fn)
 
 
 def median_time(fn, repeats: int, clock=time.perf_counter) -> float:

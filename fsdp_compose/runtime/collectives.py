@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from .clean_tls import python_free_tls
 from .handshake import wait_named
@@ -35,18 +36,31 @@ def _all_gather(output: torch.Tensor, input: torch.Tensor, group, world_size: in
         if input.data_ptr() != output.data_ptr():  # several pieces were concatenated into output already
             output.copy_(input)
         return _LocalWork()
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # looked up per call:
-    with python_free_tls():  # tests and benchmarks count collectives by wrapping these functions
-        return gather(output, input, group=group, async_op=True)
+    with python_free_tls():
+        return group.all_gather_single(output, input, _GATHER_OPTIONS)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
     if world_size == 1:
         output.copy_(input)
         return _LocalWork()
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     with python_free_tls():
-        return scatter(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return group.reduce_scatter_single(output, input, _SCATTER_OPTIONS)
+
+
+def _options(cls, **values):
+    options = cls()
+    for name, value in values.items():
+        setattr(options, name, value)
+    return options
+
+
+# The data collectives call the process group directly, as ``dist.all_gather_single`` and
+# ``dist.reduce_scatter_single`` do after their argument checks (about 10 µs of Python per call,
+# for tensors that are always plain, dense and on the group's device here). Tests and
+# benchmarks count them by wrapping ``ProcessGroup``'s methods, not ``torch.distributed``'s.
+_GATHER_OPTIONS = _options(AllgatherOptions, asyncOp=True)
+_SCATTER_OPTIONS = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM, asyncOp=True)
 
 
 @dataclass
@@ -61,14 +75,20 @@ class CommStats:
     all_reduce_bytes: int = 0
 
 
-@dataclass
 class PendingCollective:
-    """An issued collective; ``finish`` waits and runs the copy-out once."""
+    """An issued collective; ``finish`` waits and runs the copy-out once.
 
-    work: object
-    on_done: Callable[[], None] | None
-    done: bool = False
-    what: str = "a collective"  # how a failed wait names it
+    ``what`` names it if the wait fails: a string, or a function that builds one (so the
+    message is not formatted on every collective). A plain slotted class: two are made per
+    group and step."""
+
+    __slots__ = ("work", "on_done", "done", "what")
+
+    def __init__(self, work: object, on_done: Callable[[], None] | None, what: str | Callable[[], str] = "a collective") -> None:
+        self.work = work
+        self.on_done = on_done
+        self.done = False
+        self.what = what
 
     def finish(self) -> None:
         if self.done:

@@ -59,6 +59,7 @@ class ParamGroup:
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
+        self._reduce_plan: list[tuple[torch.dtype, list[ShardedParam], int]] | None = None  # built by the first reduce
         self.mesh = mesh
         self.device = device
         self._all_present: dict[torch.dtype, torch.Tensor] = {}
@@ -93,6 +94,7 @@ class ParamGroup:
         """Recompute what depends on the parameters' dtypes and ``requires_grad`` after some
         were adopted anew (``runtime/refresh.py``); the group must be sharded."""
         self.trainable = [p for p in self.params if p.requires_grad]
+        self._reduce_plan = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in self.params], self.world_size)
         if self.post_forward is not None:
             self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
@@ -124,13 +126,20 @@ class ParamGroup:
                     for p in self.params:
                         pieces.extend(p.gather_pieces())
                 layout, rows = self.layout, self.world_size
-                self._handshake(ALL_GATHER, sum(p.numel() for p in pieces), self.process_group)
+                nbytes = layout.total if self.header is None else layout.total + HEADER_BYTES  # the pieces' bytes
+                self._handshake(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
                         pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows)
-        self.pending_unshard = PendingCollective(work, finish, what=f"the all-gather of {self.label}")
+        self.pending_unshard = PendingCollective(work, finish, what=self._name_all_gather)
+
+    def _name_all_gather(self) -> str:
+        return f"the all-gather of {self.label}"
+
+    def _name_reduce_scatter(self) -> str:
+        return f"the reduce-scatter of {self.label}"
 
     def _handshake(self, kind: int, nbytes: int, group) -> None:
         self.handshakes.check(kind, nbytes, group, self.describe)
@@ -141,7 +150,10 @@ class ParamGroup:
             gathered = gathered[:, HEADER_BYTES:]
         with grad_off():
             with labelled("copy_out", self):
-                targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
+                if rows == self.world_size:  # the targets already are (world, padded bytes)
+                    targets = [p.alloc_unsharded() for p in self.params]
+                else:
+                    targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
                 for p in self.params:
                     p.finish_copy_out()
@@ -197,34 +209,43 @@ class ParamGroup:
         With HSDP and ``all_reduce=False`` the reduced shards are kept as partial sums and
         folded into the next all-reduced reduction (gradient accumulation across replicas).
         """
-        by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-        for p in self.trainable:
-            by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
+        plan = self._reduce_plan
+        if plan is None:  # per reduce dtype: its parameters and the bytes one rank sends
+            by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+            for p in self.trainable:
+                by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
+            plan = self._reduce_plan = [
+                (dtype, params, (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize)
+                for dtype, params in by_dtype.items()
+            ]
+        comm = self.comm
+        group = comm.reduce_process_group or self.process_group
+        factor = comm.gradient_divide_factor or self.dp_size
         with grad_off():
-            for dtype, params in by_dtype.items():
-                grads = [p.unsharded_grad() for p in params]
-                rows = [p.padded_grad_rows(g) for p, g in zip(params, grads)]
-                rows.append(self._flag_rows(dtype, [g is not None for g in grads]))
-                del grads  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
+            for dtype, params, nbytes in plan:
+                rows, present = [], []
                 for p in params:
+                    grad = p.unsharded_grad()
+                    present.append(grad is not None)
+                    rows.append(p.padded_grad_rows(grad))
                     p.clear_unsharded_grad()
+                grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
+                all_present = all(present)
+                rows.append(self._flag_rows(dtype, present, all_present))
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
-                factor = self.comm.gradient_divide_factor or self.dp_size
                 if dtype.itemsize >= 4:
                     pre_divide = 1
                 else:
-                    pre_divide = self.world_size if self.comm.gradient_divide_factor is None else factor
-                group = self.comm.reduce_process_group or self.process_group
-                self._handshake(REDUCE_SCATTER, sum(r.shape[1] for r in rows) * dtype.itemsize, group)
+                    pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
+                self._handshake(REDUCE_SCATTER, nbytes, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
-                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor)
-                what = f"the reduce-scatter of {self.label}"
-                self.pending_reduces.append(PendingCollective(work, finish, what=what))
+                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm.reduce_scatter)
+                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all_present)
+                self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
 
-    def _flag_rows(self, dtype: torch.dtype, present: list[bool]) -> torch.Tensor:
+    def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
         """Every row holds this rank's has-gradient flags; the common all-present case is cached."""
-        if all(present):
+        if all_present:
             rows = self._all_present.get(dtype)
             if rows is None:
                 ones = torch.ones(len(present), dtype=dtype, device=self.device)
@@ -234,8 +255,16 @@ class ParamGroup:
         return flags.expand(self.world_size, -1)
 
     def _finish_reduce(
-        self, params: list[ShardedParam], reduced: torch.Tensor, pre_divided: float, all_reduce: bool, factor: float
+        self,
+        params: list[ShardedParam],
+        reduced: torch.Tensor,
+        pre_divided: float,
+        all_reduce: bool,
+        factor: float,
+        all_present: bool = False,
     ) -> None:
+        """``all_present``: this rank sent a gradient for every parameter, so every summed flag
+        is positive (flags are >= 0 on every rank) and reading them back can be skipped."""
         if self.replicate_group is not None:
             earlier = self._partial.pop(reduced.dtype, None)
             if earlier is not None:
@@ -245,15 +274,15 @@ class ParamGroup:
                 return
             with labelled("all_reduce", self):
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
-        received = reduced[-len(params):].tolist()
+        received = [1] * len(params) if all_present else reduced[-len(params):].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
         if factor != pre_divided:
-            reduced.div_(factor / pre_divided)
-        offset = 0
+            reduced.div_(_divisor(factor / pre_divided, reduced.dtype))
+        offset = reduced.storage_offset()
         for p, flag in zip(params, received):
-            if flag > 0:
-                p.accumulate_grad(reduced[offset : offset + p.local_numel])
+            if flag > 0:  # this rank's shard, shaped (one view op where a slice and a view took two)
+                p.accumulate_grad(reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
             offset += p.padded_numel
 
     def wait_reduces(self) -> None:
@@ -275,6 +304,24 @@ class ParamGroup:
         self._kept = None
         for p in self.params:
             p.clear_unsharded_grad()
+
+
+_DIVISORS: dict[float, torch.Tensor] = {}
+
+
+def _divisor(value: float, dtype: torch.dtype) -> float | torch.Tensor:
+    """``value`` as a cached 0-dim fp32 CPU tensor for fp32 gradients, else as it is.
+
+    Dividing by a Python number first wraps it into a tensor (about 1 µs per call); a 0-dim CPU
+    tensor takes the same scalar path through the kernel, so the result is bit-identical. Only
+    fp32, where the number is rounded to fp32 either way; other dtypes keep the number.
+    """
+    if dtype != torch.float32:
+        return value
+    divisor = _DIVISORS.get(value)
+    if divisor is None:
+        divisor = _DIVISORS[value] = torch.tensor(value, dtype=torch.float32, device="cpu")
+    return divisor
 
 
 def _discard() -> None:

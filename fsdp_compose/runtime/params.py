@@ -175,6 +175,7 @@ class ShardedParam:
         others = tuple(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
         self.comm_shape = torch.Size((size, *others))
         self.comm_local_shape = torch.Size((self.local_rows, *others))
+        self.comm_local_strides = contiguous_strides(self.comm_local_shape)
 
         with torch.no_grad():
             local = source.detach().narrow(shard_dim, start, end - start).to(layout.storage_device)
@@ -370,18 +371,22 @@ class ShardedParam:
         dtype = self.layout.reduce_dtype
         if grad is None:
             return torch.zeros(self.world_size, self.padded_numel, dtype=dtype, device=self.layout.compute_device)
+        missing = self.world_size * self.padded_numel - grad.numel()
+        if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
+            return grad.reshape(self.world_size, self.padded_numel)
         flat = grad.reshape(-1).to(dtype)
-        missing = self.world_size * self.padded_numel - flat.numel()
         if missing:
             flat = torch.cat([flat, flat.new_zeros(missing)])
         return flat.view(self.world_size, self.padded_numel)
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard into the sharded ``.grad`` (own dtype and device)."""
-        local_grad = local_grad.view(self.local_shape)
+        if local_grad.shape != self.local_shape:
+            local_grad = local_grad.view(self.local_shape)
         current = self.sharded_param.grad
         if current is None:
-            local_grad = local_grad.to(self.layout.storage_device, self.dtype, non_blocking=True)
+            if local_grad.dtype != self.dtype or local_grad.device != self.layout.storage_device:
+                local_grad = local_grad.to(self.layout.storage_device, self.dtype, non_blocking=True)
             if self.layout.pin_memory:
                 local_grad = local_grad.pin_memory()
             self.sharded_param.grad = like_sharded(self.sharded_param, local_grad)

@@ -1,7 +1,7 @@
 """reshard_after_forward=<int>: after forward keep an N-way slice; backward gathers within N ranks."""
 
 import torch
-import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
@@ -16,21 +16,22 @@ def _parity(ranks):
     group = state_of(model.blocks[0]).group
     full_bytes = sum(p.world_size * p.padded_numel * 4 for p in group.params)
     sizes = []
-    original = dist.all_gather_single
+    original = ProcessGroup.all_gather_single  # where every all-gather reaches the process group
+    raw = vars(ProcessGroup)["all_gather_single"]  # what restoring needs (pybind)
 
-    def record(output, input, group=None, async_op=False):
+    def record(group, output, input, *args):
         if output.dtype != torch.int64:  # not the order-check handshake
-            sizes.append(dist.get_world_size(group))
-        return original(output, input, group=group, async_op=async_op)
+            sizes.append(group.size())
+        return original(group, output, input, *args)
 
     ids = torch.randint(0, 37, (2, 6))
     loss = lm_loss(model, ids)
     result["kept_after_forward"] = group.unsharded_nbytes() / full_bytes
-    dist.all_gather_single = record
+    ProcessGroup.all_gather_single = record
     try:
         loss.backward()
     finally:
-        dist.all_gather_single = original
+        ProcessGroup.all_gather_single = raw
     result["backward_gather_group_sizes"] = sizes
     result["after_backward"] = group.unsharded_nbytes()
     return result

@@ -6,17 +6,20 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from expecttest import assert_expected_inline
 
 from fsdp_compose import FSDPModule
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, lm_loss, shard_blocks_then_root
 
+# all_gather_single and reduce_scatter_single are counted where they reach the process group
+# (``dist.all_gather_single`` calls ``ProcessGroup.all_gather_single``; fsdp_compose calls the
+# latter directly), so a collective is counted whichever way it was issued, and once
+PROCESS_GROUP_WATCHED = ["all_gather_single", "reduce_scatter_single"]
 WATCHED = [
-    "all_gather_single",
     "all_gather_into_tensor",
     "all_gather",
-    "reduce_scatter_single",
     "reduce_scatter_tensor",
     "reduce_scatter",
     "all_reduce",
@@ -24,27 +27,45 @@ WATCHED = [
 ]
 
 
+def _from_handshake() -> bool:
+    """The order-check handshake (runtime/handshake.py) is not a data collective."""
+    return sys._getframe(2).f_code.co_filename.endswith("handshake.py")
+
+
 @contextmanager
 def count_collectives():
     counts: Counter = Counter()
     originals = {name: getattr(dist, name) for name in WATCHED}
+    methods = {name: getattr(ProcessGroup, name) for name in PROCESS_GROUP_WATCHED}
+    raw = {name: vars(ProcessGroup)[name] for name in PROCESS_GROUP_WATCHED}  # what restoring needs
 
     def counting(name):
         def call(*args, **kwargs):
-            # the order-check handshake (runtime/handshake.py) is not a data collective
-            if not sys._getframe(1).f_code.co_filename.endswith("handshake.py"):
+            if not _from_handshake():
                 counts[name] += 1
             return originals[name](*args, **kwargs)
 
         return call
 
+    def counting_method(name):
+        def call(self, *args, **kwargs):
+            if not _from_handshake():
+                counts[name] += 1
+            return methods[name](self, *args, **kwargs)
+
+        return call
+
     for name in WATCHED:
         setattr(dist, name, counting(name))
+    for name in PROCESS_GROUP_WATCHED:
+        setattr(ProcessGroup, name, counting_method(name))
     try:
         yield counts
     finally:
         for name, fn in originals.items():
             setattr(dist, name, fn)
+        for name, fn in raw.items():
+            setattr(ProcessGroup, name, fn)
 
 
 def _counts():

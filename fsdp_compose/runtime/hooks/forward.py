@@ -54,6 +54,8 @@ def plain_tensor_args(args: object, kwargs: dict) -> bool:
 
 def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Route grad-requiring inputs through an identity whose backward tells us the module is done."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the usual call: one plain tensor
+        return (signal_post_backward(state, [args[0]])[0],) if args[0].requires_grad else args, kwargs
     plain = plain_tensor_args(args, kwargs)
     flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -95,9 +97,12 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
         return args, kwargs
     if state.is_root:
         for s in root.states:  # reductions a non-last backward left in flight
-            s.group.wait_reduces()
-            event, s.group.comm.post_optim_event = s.group.comm.post_optim_event, None
+            group = s.group
+            if group.pending_reduces:
+                group.wait_reduces()
+            event = group.comm.post_optim_event
             if event is not None:  # set_post_optim_event: gather only after the optimizer step
+                group.comm.post_optim_event = None
                 event.wait()
         root.reducing.clear()
     record_pre_forward(root, state)
