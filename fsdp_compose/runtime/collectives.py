@@ -18,7 +18,7 @@ from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
 from .clean_tls import python_free_tls
 from .handshake import wait_named
-from .shm_transport import transport_for
+from .shm_transport import GatheredRows, transport_for
 
 
 class _LocalWork:
@@ -115,20 +115,28 @@ class GatherLayout:
 
 
 def all_gather_flat(
-    pieces: list[torch.Tensor], layout: GatherLayout, group, stats: CommStats, comm=None, rank: int | None = None
-) -> tuple[object, torch.Tensor]:
+    pieces: list[torch.Tensor],
+    layout: GatherLayout,
+    group,
+    stats: CommStats,
+    comm=None,
+    rank: int | None = None,
+    rows_ok: bool = False,
+) -> tuple[object, torch.Tensor | GatheredRows]:
     """Start one all-gather of the concatenated pieces; return (work, (world, total) output).
 
     Several pieces are concatenated straight into this rank's row of the output, which then
     is the collective's input: no separate copy-in buffer is allocated or held while the
     gather is in flight. A single piece is sent as it is (no copy at all).
     ``comm`` (an ``AllGather``-protocol object) allocates the output and runs the collective.
+    ``rows_ok``: the caller takes a ``GatheredRows`` (and copies it out before the group's next
+    collective) where the transport left the rows in shared memory.
     """
     first = pieces[0]
     numel = sum(p.numel() for p in pieces)
     shm = transport_for(group, layout.world_size, first.device) if comm is None else None
     if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: through shared memory, synchronously
-        return shm.all_gather_flat(pieces, numel, stats)
+        return shm.all_gather_flat(pieces, numel, stats, rows_ok)
     if comm is None:
         output = first.new_empty(layout.world_size * numel)
     else:
@@ -150,8 +158,12 @@ def all_gather_flat(
     return work, output.view(layout.world_size, -1)
 
 
-def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.Tensor]) -> None:
+def copy_out(gathered: torch.Tensor | GatheredRows, layout: GatherLayout, targets: list[torch.Tensor]) -> None:
     """Split the gathered columns into each parameter's (world, padded) target."""
+    if isinstance(gathered, GatheredRows):
+        for rank, row in enumerate(gathered.rows):
+            copy_out(row.unsqueeze(0), layout, [t[rank : rank + 1] for t in targets])
+        return
     if len(targets) == 1:
         targets[0].copy_(gathered)
     else:

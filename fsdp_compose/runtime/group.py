@@ -23,6 +23,7 @@ from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
 from .params import ShardedParam
+from .shm_transport import GatheredRows
 from .uids import new_uid
 
 
@@ -119,7 +120,9 @@ class ParamGroup:
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
                 self._handshake(ALL_GATHER, kept.numel(), group)
                 with labelled("all_gather", self):
-                    work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
+                    work, gathered = all_gather_flat(
+                        [kept], layout, group, self.stats, self.comm.all_gather, rows_ok=True
+                    )
             else:
                 with labelled("copy_in", self):  # casts/moves shards where needed; no concatenation here
                     pieces = [] if self.header is None else [self.header]
@@ -130,10 +133,14 @@ class ParamGroup:
                 self._handshake(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
-                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank
+                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, rows_ok=True
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows)
-        self.pending_unshard = PendingCollective(work, finish, what=self._name_all_gather)
+        pending = PendingCollective(work, finish, what=self._name_all_gather)
+        if isinstance(gathered, GatheredRows):  # in shared memory the group's next collectives reuse: copy out now
+            pending.finish()
+        else:
+            self.pending_unshard = pending
 
     def _name_all_gather(self) -> str:
         return f"the all-gather of {self.label}"
@@ -144,8 +151,10 @@ class ParamGroup:
     def _handshake(self, kind: int, nbytes: int, group) -> None:
         self.handshakes.check(kind, nbytes, group, self.describe)
 
-    def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
+    def _finish_unshard(self, gathered: torch.Tensor | GatheredRows, layout: GatherLayout, rows: int) -> None:
         if self.header is not None:
+            if isinstance(gathered, GatheredRows):
+                gathered = gathered.stacked()
             verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
             gathered = gathered[:, HEADER_BYTES:]
         with grad_off():

@@ -129,6 +129,21 @@ def _options() -> AllgatherOptions:
 _ASYNC = _options()
 
 
+class GatheredRows:
+    """An all-gather's result left where the transport put it (each rank's row in its own
+    shared-memory segment, ``runtime/shm_transport.py``): valid only until the next collective
+    on that process group, so the caller copies it out at once, straight into the targets,
+    instead of through a (world, total) buffer."""
+
+    __slots__ = ("rows",)
+
+    def __init__(self, rows: list[torch.Tensor]) -> None:
+        self.rows = rows
+
+    def stacked(self) -> torch.Tensor:
+        return torch.stack(self.rows)
+
+
 class _Segment:
     """One mapped file: two halves of ``half`` bytes."""
 
@@ -272,38 +287,53 @@ class ShmTransport:
             del _transports[self.group]
 
     # ----- collectives ------------------------------------------------------------------------
-    def all_gather_flat(self, pieces: list[torch.Tensor], numel: int, stats) -> tuple[object, torch.Tensor]:
-        """Concatenate ``pieces`` into this rank's half, sync, copy every rank's row out; a row
-        larger than a chunk is concatenated into the output and exchanged chunk by chunk."""
+    def all_gather_flat(
+        self, pieces: list[torch.Tensor], numel: int, stats, rows_ok: bool = False
+    ) -> tuple[object, torch.Tensor | GatheredRows]:
+        """Concatenate ``pieces`` into this rank's half, sync, then hand back every rank's row
+        where it lies (``rows_ok``: a ``GatheredRows`` the caller copies out before the group's
+        next collective) or copied into one output; a row larger than a chunk is concatenated
+        into the output and exchanged chunk by chunk."""
         first = pieces[0]
         nbytes = numel * first.element_size()
-        output = first.new_empty(self.world * numel)
-        rows = output.view(self.world, numel)
         stats.all_gathers += 1
-        stats.all_gather_bytes += output.numel() * output.element_size()
+        stats.all_gather_bytes += self.world * nbytes
         if nbytes <= self.chunk:
             region = self._own_region(nbytes)
-            mine = rows[self.rank] if region is None else region.view(first.dtype)
-            _concat(pieces, mine)
+            if region is not None:
+                _concat(pieces, region.view(first.dtype))
+                if self._sync(ALL_GATHER, nbytes, True):
+                    index = self.calls % 2
+                    self.calls += 1
+                    counters.all_gathers += 1
+                    rows = [p.region(index, nbytes).view(first.dtype) for p in self.peers]
+                    if rows_ok:
+                        return _DONE, GatheredRows(rows)
+                    output = first.new_empty(self.world * numel)
+                    return _DONE, torch.cat(rows, out=output).view(self.world, -1)
+                mine = region.view(first.dtype)  # a peer had no room: over gloo after all
+            else:
+                mine = first.new_empty(numel)
+                _concat(pieces, mine)
+                self._sync(ALL_GATHER, nbytes, False)  # tells every rank to use gloo
+            output = first.new_empty(self.world * numel)
+            return self._gloo_all_gather(output, mine), output.view(self.world, -1)
+        output = first.new_empty(self.world * numel)
+        rows = output.view(self.world, numel)
+        mine = rows[self.rank]
+        _concat(pieces, mine)
+        by_byte = rows.view(torch.uint8)
+        for start in range(0, nbytes, self.chunk):
+            size = min(self.chunk, nbytes - start)
+            region = self._own_region(size)  # grows at the first chunk only: later ones fit
+            if region is not None:
+                region.copy_(by_byte[self.rank, start : start + size])
             if not self._sync(ALL_GATHER, nbytes, region is not None):
                 return self._gloo_all_gather(output, mine), rows
-            torch.cat([p.region(self.calls % 2, nbytes).view(first.dtype) for p in self.peers], out=output)
+            for rank, peer in enumerate(self.peers):
+                if rank != self.rank:
+                    by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
             self.calls += 1
-        else:
-            mine = rows[self.rank]
-            _concat(pieces, mine)
-            by_byte = rows.view(torch.uint8)
-            for start in range(0, nbytes, self.chunk):
-                size = min(self.chunk, nbytes - start)
-                region = self._own_region(size)  # grows at the first chunk only: later ones fit
-                if region is not None:
-                    region.copy_(by_byte[self.rank, start : start + size])
-                if not self._sync(ALL_GATHER, nbytes, region is not None):
-                    return self._gloo_all_gather(output, mine), rows
-                for rank, peer in enumerate(self.peers):
-                    if rank != self.rank:
-                        by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
-                self.calls += 1
         counters.all_gathers += 1
         return _DONE, rows
 

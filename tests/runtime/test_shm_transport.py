@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_compose import fully_shard
 from fsdp_compose.runtime import shm_transport
 from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
+from fsdp_compose.runtime.shm_transport import GatheredRows
 from fsdp_compose.runtime.order_check import CHECK_ENV, ExecutionOrderError
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
@@ -37,6 +38,12 @@ def env(**values):
                 del os.environ[k]
             else:
                 os.environ[k] = v
+
+
+def as_tensor(gathered) -> torch.Tensor:
+    """An all-gather's (world, numel) result; rows left in shared memory are read now, before
+    the group's next collective may overwrite them."""
+    return gathered.stacked() if isinstance(gathered, GatheredRows) else gathered
 
 
 def our_files() -> list[str]:
@@ -150,6 +157,7 @@ def _back_to_back(chunk: str):
             pieces = [torch.arange(n, dtype=torch.float32) + 1000 * rank + i, torch.full((2,), float(rank))]
             work, gathered = all_gather_flat(pieces, GatherLayout([4 * (n + 2)], world), group, stats, rank=rank)
             work.wait()
+            gathered = as_tensor(gathered)
             expected = torch.stack([torch.cat([torch.arange(n) + 1000 * k + i, torch.full((2,), float(k))])
                                     for k in range(world)])
             assert torch.equal(gathered, expected), (i, n)
@@ -255,7 +263,7 @@ def _shm_full():
                 work, out = all_gather_flat([torch.full((n,), float(rank))], GatherLayout([4 * n], 2), group,
                                             CommStats(), rank=rank)
                 work.wait()
-                gathered.append(torch.equal(out, torch.stack([torch.zeros(n), torch.ones(n)])))
+                gathered.append(torch.equal(as_tensor(out), torch.stack([torch.zeros(n), torch.ones(n)])))
             work, reduced = reduce_scatter_rows([torch.ones(2, 3000)], group, CommStats())
             work.wait()
     finally:
