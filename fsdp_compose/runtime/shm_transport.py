@@ -162,7 +162,7 @@ class ShmTransport:
     """The segments of one process group (this rank's own, and its mappings of the peers')."""
 
     def __init__(self, group, prefix: str, chunk: int = DEFAULT_CHUNK) -> None:
-        self.group = group
+        self._group = weakref.ref(group)  # not a strong reference: see ``group``
         self.chunk = -(-chunk // 64) * 64  # the most one exchange moves: whole elements of any dtype
         self.rank = group.rank()
         self.world = group.size()
@@ -173,8 +173,17 @@ class ShmTransport:
         self._known = torch.full((self.world, 2), -1, dtype=torch.int64)  # (generation, half) mapped per rank
         self._mine = torch.zeros(_FIELDS, dtype=torch.int64)
         self._rows = torch.zeros(self.world * _FIELDS, dtype=torch.int64)
+        self._confirmed = torch.zeros_like(self._rows)  # the second sync's rows (no temporary per growth)
         self._unlink_after_sync: str | None = None
         self.no_room = ""  # why this rank could not grow its segment, if it could not
+
+    @property
+    def group(self):
+        """The process group. Held weakly: ``_transports`` is keyed weakly by the group, and a
+        value that referred to its key would keep the group alive past
+        ``destroy_process_group`` until interpreter teardown, where gloo's threads are torn
+        down out of order (``terminate called without an active exception``, SIGABRT at exit)."""
+        return self._group()
 
     # ----- segments ---------------------------------------------------------------------------
     def _own_region(self, nbytes: int) -> torch.Tensor | None:
@@ -228,7 +237,7 @@ class ShmTransport:
                 self._attach(rank, generation, half)
         self._known.copy_(rows[:, 3:])
         # everyone mapped the new segments once everyone is past this second sync: unlink them
-        self._gather(self._rows.clone(), mine, kind)
+        self._gather(self._confirmed, mine, kind)
         path, self._unlink_after_sync = self._unlink_after_sync, None
         if path is not None:
             _unlink(path)
