@@ -2,14 +2,16 @@
 
 gloo itself aborts the process when ranks all-gather buffers of different sizes and hangs when
 they run different collectives; torch's FSDP2 shows exactly that (or trains on mixed-up
-shards when sizes happen to match). The handshake before each collective (a 64-byte all-reduce
-of each rank's entry and its negation, runtime/handshake.py) turns every case below into an ``ExecutionOrderError`` on every rank.
+shards when sizes happen to match). The handshake before each collective (runtime/handshake.py:
+an all-gather of each rank's 32-byte entry, or on large non-gloo groups an all-reduce of the
+entry and its negation) turns every case below into an ``ExecutionOrderError`` on every rank.
 """
 
 import os
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
@@ -84,15 +86,24 @@ Ranks diverged: they were about to run different collectives of sharded modules 
     )
 
 
-def _last_rank_skips_a_module() -> str:
-    model = _model()
-    return _catch(lambda: model(torch.randn(3, 4), skip=dist.get_rank() == 2).sum().backward())
+def _last_rank_skips_a_module(how: str) -> str:
+    from fsdp_compose.runtime import handshake
+
+    original = handshake.uses_all_reduce
+    handshake.uses_all_reduce = lambda group, world: how == "all-reduce"  # gloo would pick the all-gather
+    try:
+        model = _model()
+        return _catch(lambda: model(torch.randn(3, 4), skip=dist.get_rank() == 2).sum().backward())
+    finally:
+        handshake.uses_all_reduce = original
 
 
-def test_one_rank_of_three_diverging_is_named_everywhere():
-    """Two ranks agree and one does not: the all-reduce's max and min still differ, so all three
-    raise (a handshake that compared only against a majority, or only the max, would miss it)."""
-    errors = run_on_ranks(3, _last_rank_skips_a_module, timeout=60)
+@pytest.mark.parametrize("how", ["all-gather", "all-reduce"])
+def test_one_rank_of_three_diverging_is_named_everywhere(how):
+    """Two ranks agree and one does not: all three raise the same error whichever handshake runs
+    (for the all-reduce, the max and min of the entries still differ; a check that compared
+    only against a majority, or only the max, would miss it)."""
+    errors = run_on_ranks(3, _last_rank_skips_a_module, how, timeout=60)
     assert errors[0] == errors[1] == errors[2]
     assert_expected_inline(
         errors[0],
