@@ -84,7 +84,9 @@ class PendingCollective:
 
     __slots__ = ("work", "on_done", "done", "what")
 
-    def __init__(self, work: object, on_done: Callable[[], None] | None, what: str | Callable[[], str] = "a collective") -> None:
+    def __init__(
+        self, work: object, on_done: Callable[[], None] | None, what: str | Callable[[], str] = "a collective"
+    ) -> None:
         self.work = work
         self.on_done = on_done
         self.done = False

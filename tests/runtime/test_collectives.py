@@ -6,8 +6,8 @@ from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ProcessGroup
 from expecttest import assert_expected_inline
+from torch.distributed import ProcessGroup
 
 from fsdp_compose import FSDPModule
 from tests.harness import run_on_ranks
