@@ -14,53 +14,28 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, ReduceScatterOptions
 
+from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_SUM_REDUCE_SCATTER, COMPLETED
 from .clean_tls import python_free_tls
 from .handshake import wait_named
 from .shm_transport import GatheredRows, transport_for
-
-
-class _LocalWork:
-    """A collective over one rank, done by a copy: nothing to send (torch's FSDP2 skips these too)."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
 
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
     if world_size == 1:
         if input.data_ptr() != output.data_ptr():  # several pieces were concatenated into output already
             output.copy_(input)
-        return _LocalWork()
+        return COMPLETED  # one rank: done by a copy (torch's FSDP2 skips these too)
     with python_free_tls():
-        return group.all_gather_single(output, input, _GATHER_OPTIONS)
+        return group.all_gather_single(output, input, ASYNC_ALL_GATHER)
 
 
 def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
     if world_size == 1:
         output.copy_(input)
-        return _LocalWork()
+        return COMPLETED  # one rank: done by a copy (torch's FSDP2 skips these too)
     with python_free_tls():
-        return group.reduce_scatter_single(output, input, _SCATTER_OPTIONS)
-
-
-def _options(cls, **values):
-    options = cls()
-    for name, value in values.items():
-        setattr(options, name, value)
-    return options
-
-
-# The data collectives call the process group directly, as ``dist.all_gather_single`` and
-# ``dist.reduce_scatter_single`` do after their argument checks (about 10 µs of Python per call,
-# for tensors that are always plain, dense and on the group's device here). Tests and
-# benchmarks count them by wrapping ``ProcessGroup``'s methods, not ``torch.distributed``'s.
-_GATHER_OPTIONS = _options(AllgatherOptions, asyncOp=True)
-_SCATTER_OPTIONS = _options(ReduceScatterOptions, reduceOp=dist.ReduceOp.SUM, asyncOp=True)
+        return group.reduce_scatter_single(output, input, ASYNC_SUM_REDUCE_SCATTER)
 
 
 @dataclass

@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceOp
 
+from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
 from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
 
@@ -53,25 +53,6 @@ def handshake_kinds() -> frozenset[int]:
     if mode in ("0", "tag"):
         return frozenset()
     return frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
-
-
-def _max_options() -> AllreduceOptions:
-    options = AllreduceOptions()
-    options.reduceOp = ReduceOp.MAX
-    options.asyncOp = True
-    return options
-
-
-_MAX = _max_options()
-
-
-def _gather_options() -> AllgatherOptions:
-    options = AllgatherOptions()
-    options.asyncOp = True
-    return options
-
-
-_GATHER = _gather_options()
 
 
 ALL_REDUCE_FROM = 9  # ranks from which a non-gloo group's handshake is an all-reduce
@@ -146,9 +127,9 @@ def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
         received.copy_(exchange.expected)
     with python_free_tls():
         if exchange.reduce:
-            work = group.allreduce([received], _MAX)
+            work = group.allreduce([received], ASYNC_MAX_ALL_REDUCE)
         else:
-            work = group.all_gather_single(received, exchange.mine, _GATHER)
+            work = group.all_gather_single(received, exchange.mine, ASYNC_ALL_GATHER)
     if work is not None:
         wait_named(work, lambda: _what(exchange, describe))
     if torch.equal(received, exchange.expected):
@@ -157,7 +138,7 @@ def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
     if exchange.reduce:  # every rank got the same maxima, so every rank is here: gather the entries to name them
         rows = exchange.mine.new_empty(group.size() * 4)
         with python_free_tls():
-            work = group.all_gather_single(rows, exchange.mine, _GATHER)
+            work = group.all_gather_single(rows, exchange.mine, ASYNC_ALL_GATHER)
         wait_named(work, lambda: _what(exchange, describe))
     _raise_diverged(rows.view(-1, 4), group, describe)
 

@@ -55,10 +55,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions
 
+from .c10d_direct import ASYNC_ALL_GATHER, COMPLETED
 from .clean_tls import python_free_tls
-from .handshake import wait_named
+from .handshake import ALL_GATHER, KINDS, REDUCE_SCATTER, wait_named
 from .order_check import MAGIC, ExecutionOrderError
 
 TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
@@ -66,8 +66,6 @@ CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
 DEFAULT_CHUNK = 8 << 20
 SHM_DIR = "/dev/shm"
 FILE_PREFIX = "fsdp_compose_shm_"
-ALL_GATHER, REDUCE_SCATTER = 1, 2
-_KINDS = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter"}
 _EXIT_GRACE_SECONDS = 0.1  # see _let_gloo_threads_finish
 _ALIGN = 4096  # halves start on page boundaries, so every dtype view is aligned
 _FIELDS = 5  # sync payload per rank: magic, kind, nbytes, generation, half size
@@ -107,28 +105,6 @@ def host_identity() -> str:
 def segment_bytes() -> int:
     """Bytes of shared memory this process's own segments hold now (peers' are theirs)."""
     return sum(t.own.tensor.numel() for t in list(_transports.values()) if t is not None and t.own is not None)
-
-
-class _DoneWork:
-    """The shm collective is synchronous: its work object is already complete."""
-
-    def wait(self, timeout=None) -> bool:
-        return True
-
-    def is_completed(self) -> bool:
-        return True
-
-
-_DONE = _DoneWork()
-
-
-def _options() -> AllgatherOptions:
-    options = AllgatherOptions()
-    options.asyncOp = True
-    return options
-
-
-_ASYNC = _options()
 
 
 class GatheredRows:
@@ -262,9 +238,9 @@ class ShmTransport:
         counters.syncs += 1
         try:
             with python_free_tls():
-                work = self.group.all_gather_single(rows, mine, _ASYNC)
+                work = self.group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
             if work is not None:
-                wait_named(work, lambda: f"the shared-memory sync of a {_KINDS[kind]} over ranks {self._ranks()}")
+                wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
             self._abandon()
             raise
@@ -275,10 +251,10 @@ class ShmTransport:
     def _raise_disagreement(self, rows: torch.Tensor) -> None:
         lines = []
         for rank, (magic, kind, nbytes, _, _) in zip(self._ranks(), rows.tolist()):
-            if magic != MAGIC or kind not in _KINDS:
+            if magic != MAGIC or kind not in KINDS:
                 lines.append(f"  rank {rank}: <not a shared-memory collective>")
             else:
-                lines.append(f"  rank {rank}: {_KINDS[kind]} of {nbytes} bytes")
+                lines.append(f"  rank {rank}: {KINDS[kind]} of {nbytes} bytes")
         self._abandon()
         raise ExecutionOrderError(
             f"Ranks diverged in a shared-memory collective over process group ranks {self._ranks()} "
@@ -319,9 +295,9 @@ class ShmTransport:
                     counters.all_gathers += 1
                     rows = [p.region(index, nbytes).view(first.dtype) for p in self.peers]
                     if rows_ok:
-                        return _DONE, GatheredRows(rows)
+                        return COMPLETED, GatheredRows(rows)
                     output = first.new_empty(self.world * numel)
-                    return _DONE, torch.cat(rows, out=output).view(self.world, -1)
+                    return COMPLETED, torch.cat(rows, out=output).view(self.world, -1)
                 mine = region.view(first.dtype)  # a peer had no room: over gloo after all
             else:
                 mine = first.new_empty(numel)
@@ -346,7 +322,7 @@ class ShmTransport:
                     by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
             self.calls += 1
         counters.all_gathers += 1
-        return _DONE, rows
+        return COMPLETED, rows
 
     def _gloo_all_gather(self, output: torch.Tensor, mine: torch.Tensor):
         from .collectives import _all_gather  # noqa: PLC0415 - collectives imports this module
@@ -390,7 +366,7 @@ class ShmTransport:
                 output[start:end].add_(part)
             self.calls += 1
         counters.reduce_scatters += 1
-        return _DONE, output
+        return COMPLETED, output
 
 
 def _concat(pieces: list[torch.Tensor], out: torch.Tensor) -> None:
@@ -429,7 +405,7 @@ def _set_up(group) -> ShmTransport | None:
     )
     rows = mine.new_empty(group.size() * 5)
     with python_free_tls():
-        work = group.all_gather_single(rows, mine, _ASYNC)
+        work = group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
     if work is not None:
         wait_named(work, f"the shared-memory transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()
