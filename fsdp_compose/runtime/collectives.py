@@ -15,27 +15,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_SUM_REDUCE_SCATTER, COMPLETED
+from .c10d_direct import all_gather_into, reduce_scatter_sum
 from .clean_tls import python_free_tls
 from .handshake import wait_named
 from .shm_transport import GatheredRows, transport_for
-
-
-def _all_gather(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
-    if world_size == 1:
-        if input.data_ptr() != output.data_ptr():  # several pieces were concatenated into output already
-            output.copy_(input)
-        return COMPLETED  # one rank: done by a copy (torch's FSDP2 skips these too)
-    with python_free_tls():
-        return group.all_gather_single(output, input, ASYNC_ALL_GATHER)
-
-
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
-    if world_size == 1:
-        output.copy_(input)
-        return COMPLETED  # one rank: done by a copy (torch's FSDP2 skips these too)
-    with python_free_tls():
-        return group.reduce_scatter_single(output, input, ASYNC_SUM_REDUCE_SCATTER)
 
 
 @dataclass
@@ -128,7 +111,7 @@ def all_gather_flat(
     stats.all_gathers += 1
     stats.all_gather_bytes += output.numel() * output.element_size()
     if comm is None:
-        work = _all_gather(output, flat, group, layout.world_size)
+        work = all_gather_into(output, flat, group, layout.world_size)
     else:
         with python_free_tls():  # a user's comm issues gloo work too
             work = comm(output, flat, group, async_op=True)
@@ -176,7 +159,7 @@ def reduce_scatter_rows(
     stats.reduce_scatters += 1
     stats.reduce_scatter_bytes += table.numel() * table.element_size()
     if comm is None:
-        work = _reduce_scatter(output, table.view(-1), group, table.shape[0])
+        work = reduce_scatter_sum(output, table.view(-1), group, table.shape[0])
     else:
         with python_free_tls():
             work = comm(output, table.view(-1), group, op=dist.ReduceOp.SUM, async_op=True)

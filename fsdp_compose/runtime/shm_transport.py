@@ -56,7 +56,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .c10d_direct import ASYNC_ALL_GATHER, COMPLETED
+from .c10d_direct import ASYNC_ALL_GATHER, COMPLETED, all_gather_into, reduce_scatter_sum
 from .clean_tls import python_free_tls
 from .handshake import ALL_GATHER, KINDS, REDUCE_SCATTER, wait_named
 from .order_check import MAGIC, ExecutionOrderError
@@ -304,7 +304,7 @@ class ShmTransport:
                 _concat(pieces, mine)
                 self._sync(ALL_GATHER, nbytes, False)  # tells every rank to use gloo
             output = first.new_empty(self.world * numel)
-            return self._gloo_all_gather(output, mine), output.view(self.world, -1)
+            return all_gather_into(output, mine, self.group, self.world), output.view(self.world, -1)
         output = first.new_empty(self.world * numel)
         rows = output.view(self.world, numel)
         mine = rows[self.rank]
@@ -316,18 +316,13 @@ class ShmTransport:
             if region is not None:
                 region.copy_(by_byte[self.rank, start : start + size])
             if not self._sync(ALL_GATHER, nbytes, region is not None):
-                return self._gloo_all_gather(output, mine), rows
+                return all_gather_into(output, mine, self.group, self.world), rows
             for rank, peer in enumerate(self.peers):
                 if rank != self.rank:
                     by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
             self.calls += 1
         counters.all_gathers += 1
         return COMPLETED, rows
-
-    def _gloo_all_gather(self, output: torch.Tensor, mine: torch.Tensor):
-        from .collectives import _all_gather  # noqa: PLC0415 - collectives imports this module
-
-        return _all_gather(output, mine, self.group, self.world)
 
     def reduce_scatter_rows(self, rows: list[torch.Tensor], stats, pre_divide: float) -> tuple[object, torch.Tensor]:
         """Build the (world, width) table in this rank's half, sync, sum row ``rank`` of every
@@ -356,9 +351,7 @@ class ShmTransport:
             if region is not None and columns < width:
                 region.view(dtype).view(self.world, end - start).copy_(table[:, start:end])
             if not self._sync(REDUCE_SCATTER, nbytes, region is not None):  # only at the first block
-                from .collectives import _reduce_scatter  # noqa: PLC0415 - collectives imports this module
-
-                return _reduce_scatter(output, table.view(-1), self.group, self.world), output
+                return reduce_scatter_sum(output, table.view(-1), self.group, self.world), output
             index = self.calls % 2
             parts = [p.region(index, size).view(dtype).view(self.world, end - start)[self.rank] for p in self.peers]
             torch.add(parts[0], parts[1], out=output[start:end])
