@@ -1,6 +1,7 @@
 """Benchmark (b): per-step CPU overhead on a fake process group (no data moves).
 
-    python benchmarks/bench_overhead.py      # ws 8; 12, 48 and 192 tiny groups; then ws 1024 vs 8
+    python benchmarks/bench_overhead.py      # ws 8; 12, 48 and 192 tiny groups; then ws 128 and 1024 vs 8
+    python benchmarks/bench_overhead.py --groups 12 --rounds 2 --large-world-size 1024   # quicker
 
 With the fake backend every collective returns at once, so a step's time is compute on tiny
 tensors plus the library's own bookkeeping; the compute-only figure (same model, no sharding)
@@ -17,6 +18,7 @@ import copy
 import os
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,8 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from benchmarks.common import count_bytes, median_time  # noqa: E402
+from benchmarks import null_backend  # noqa: E402  (registers the "null" backend)
+from benchmarks.common import median_time  # noqa: E402
 
 
 def build(groups: int, dim: int) -> torch.nn.Sequential:
@@ -52,14 +55,45 @@ def check_against_local_tag(enabled: bool) -> None:
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if enabled else "0"
 
 
-def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = False, backend: bool = False) -> dict:
-    """Best-of-rounds median step time of each kind, on a fresh fake process group of ``world_size``.
+@contextmanager
+def handshake_on(backend: str):
+    """Let our handshake pass on the null backend, which leaves every output as it was.
 
-    ``with_label_cost`` adds the price of the profiler labels, as a line, under "labels"."""
+    torch's fake all-gather writes this rank's input into every rank's slot, so a handshake's
+    gathered entries equal the expected ones; on the null backend the buffer keeps what it
+    held, so it is set to the expected entries before the collective (one 32-bytes-per-rank
+    copy, as the all-reduce form of the handshake does every time)."""
+    import fsdp_compose.runtime.handshake as handshake_module
+
+    original = handshake_module.run
+    if backend == null_backend.NAME:
+
+        def prefilled(exchange, group, describe):
+            exchange.received.copy_(exchange.expected)
+            original(exchange, group, describe)
+
+        handshake_module.run = prefilled
+    try:
+        yield
+    finally:
+        handshake_module.run = original
+
+
+def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = False, backend: str = "fake") -> dict:
+    """Best-of-rounds median step time of each kind, on a fresh ``backend`` process group of
+    ``world_size`` (torch's "fake" one, or the O(1) "null" one of null_backend.py).
+
+    ``with_label_cost`` adds the price of the profiler labels, as a line, under "labels".
+    On the null backend, "calls" holds each kind's collectives per step, as the backend counted them."""
+    with handshake_on(backend):
+        return _measure(world_size, groups, args, kinds, with_label_cost, backend)
+
+
+def _measure(world_size: int, groups: int, args, kinds, with_label_cost: bool, backend: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
@@ -94,8 +128,12 @@ def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = F
         for name, model in models.items():
             times[name].append(median_time(step(model), args.steps, clock))
     best = {name: min(v) for name, v in times.items()}
-    if backend:  # the world-size comparison: what the fake backend itself costs
-        best["backend"] = fake_backend_floor(step(models["ours"]), world_size, args.cpu_time)
+    if backend == null_backend.NAME:  # proof that each library's collectives went through it
+        best["calls"] = {}
+        for name, model in models.items():
+            null_backend.CALLS.clear()
+            step(model)()
+            best["calls"][name] = dict(sorted(null_backend.CALLS.items()))
     if with_label_cost:
         best["labels"] = label_cost(step(models["ours"]), models["ours"])
     dist.destroy_process_group()
@@ -109,7 +147,8 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--large-world-size", type=int, default=1024, help="0 skips the world-size comparison")
+    parser.add_argument("--large-world-size", default="128,1024",
+                        help="comma-separated world sizes to compare with --world-size; 0 skips the comparison")
     parser.add_argument("--large-groups", type=int, default=48)
     parser.add_argument("--cpu-time", action="store_true",
                         help="time each step by this thread's CPU time (the fake group runs on it alone), "
@@ -138,59 +177,44 @@ def main() -> None:
     print(f"    target: overhead ours/torch <= 0.25 and <= 70 us/group at every count: "
           f"{'met' if met else 'NOT met'} (worst {max(ratios):.3f}, {max(per_group):.1f} us/group)")
     print(labels)
-    if args.large_world_size:
+    if args.large_world_size != "0":
         world_compare(args)
 
 
 def world_compare(args) -> None:
-    """Step time at a large fake world size against the default one, same model (issue 11).
+    """Step time at large fake world sizes against the default one, same model (issue 11), on
+    torch's fake backend and on the O(1) null one.
 
-    ``ours,nochk`` shows what the divergence handshake adds: its all-reduces bypass the byte
-    counter, so the backend floor below does not include them."""
+    torch's fake backend costs host time per all-gather and reduce-scatter that grows with the
+    world size (it writes the input into every rank's slot, one copy per rank); the null backend
+    costs the same at any size, so its figures are what each library itself does. ``ours,nochk``
+    shows what the divergence handshake adds."""
     kinds = ["torch", "ours", "ours,nochk"]
-    small = measure(args.world_size, args.large_groups, args, kinds, backend=True)
-    large = measure(args.large_world_size, args.large_groups, args, kinds, backend=True)
-    print(f"(e) fake process group, {args.large_groups} groups of Linear({args.dim},{args.dim}) + root, "
-          f"step at ws {args.large_world_size} vs ws {args.world_size}:")
-    for kind in kinds:
-        print(f"    {kind:10s} {large[kind] * 1e3:7.2f} ms vs {small[kind] * 1e3:7.2f} ms = "
-              f"{large[kind] / small[kind]:.2f}x")
-    ratio = large["ours"] / small["ours"]
-    print(f"    target: ours <= 1.5x: {'met' if ratio <= 1.5 else 'NOT met'} ({ratio:.2f}x)")
-    for result in (small, large):
-        print(result["backend"][1])
-    own = (large["ours"] - large["backend"][0]) / (small["ours"] - small["backend"][0])
-    print(f"    ours without the fake backend's own cost: {own:.2f}x")
-
-
-def fake_backend_floor(run_step, world_size: int, cpu_time: bool = False) -> str:
-    """The fake backend's own cost per collective grows with the world size, whatever the bytes:
-    count our collectives in one step and price each with an empty-payload call."""
-    import time
-
-    with count_bytes() as calls:
-        run_step()
-    one = torch.zeros(1, dtype=torch.uint8)
-    out = torch.empty(world_size, dtype=torch.uint8)
-    clock = time.thread_time if cpu_time else time.perf_counter  # as the steps were timed
-
-    def per_call(issue) -> float:  # best of 5 batches of 50: other jobs on the machine only add time
-        best = float("inf")
-        for _ in range(5):
-            start = clock()
-            for _ in range(50):
-                issue().wait()
-            best = min(best, (clock() - start) / 50)
-        return best
-
-    gather = per_call(lambda: dist.all_gather_into_tensor(out, one, async_op=True))
-    scatter = per_call(lambda: dist.reduce_scatter_tensor(one, out, async_op=True))
-    floor = calls["gather_calls"] * gather + calls["scatter_calls"] * scatter
-    return floor, (f"    fake backend alone at ws {world_size}: {gather * 1e6:.0f} us per all-gather "
-                   f"x {calls['gather_calls']} "
-                   f"+ {scatter * 1e6:.0f} us per reduce-scatter x {calls['scatter_calls']} "
-                   f"= {floor * 1e3:.2f} ms/step "
-                   "of ours is the backend's, not ours")
+    sizes = [args.world_size] + [int(w) for w in args.large_world_size.split(",")]
+    print(f"(e) {args.large_groups} groups of Linear({args.dim},{args.dim}) + root, step (ms) by world size, "
+          f"best of {args.rounds} rounds of median-of-{args.steps}{', thread CPU time' if args.cpu_time else ''}; "
+          f"ratios to ws {sizes[0]}")
+    header = "".join(f"{'ws ' + str(w):>9s}" for w in sizes)
+    header += "".join(f"{str(w) + '/' + str(sizes[0]):>10s}" for w in sizes[1:])
+    ratios = {}
+    for backend in (null_backend.NAME, "fake"):
+        what = "null backend (O(1) per call)" if backend == null_backend.NAME else "torch's fake backend"
+        print(f"    {what:30s}{header}")
+        t = {w: measure(w, args.large_groups, args, kinds, backend=backend) for w in sizes}
+        for kind in kinds:
+            ratios[backend, kind] = [t[w][kind] / t[sizes[0]][kind] for w in sizes[1:]]
+            print(f"      {kind:28s}" + "".join(f"{t[w][kind] * 1e3:9.2f}" for w in sizes)
+                  + "".join(f"{r:9.2f}x" for r in ratios[backend, kind]))
+        if backend == null_backend.NAME:
+            for kind in kinds:
+                calls = {w: t[w]["calls"][kind] for w in sizes}
+                same = all(c == calls[sizes[0]] for c in calls.values())
+                print(f"      collectives per step through it, {kind}: {calls[sizes[-1]]}"
+                      f"{'' if same else ' (differs by world size: ' + str(calls) + ')'}")
+    for backend in (null_backend.NAME, "fake"):
+        ratio = ratios[backend, "ours"][-1]
+        print(f"    target ({backend} backend): ours ws {sizes[-1]} <= 1.5x ws {sizes[0]}: "
+              f"{'met' if ratio <= 1.5 else 'NOT met'} ({ratio:.2f}x; torch FSDP2 {ratios[backend, 'torch'][-1]:.2f}x)")
 
 
 def label_cost(run_step, model) -> str:
