@@ -60,7 +60,8 @@ class ParamGroup:
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
-        self._reduce_plan: list[tuple[torch.dtype, list[ShardedParam], int]] | None = None  # built by the first reduce
+        # built by the first reduce: (dtype, params, bytes one rank sends, world size if some rows are short)
+        self._reduce_plan: list[tuple[torch.dtype, list[ShardedParam], int, int | None]] | None = None
         self.mesh = mesh
         self.device = device
         self._all_present: dict[torch.dtype, torch.Tensor] = {}
@@ -76,6 +77,8 @@ class ParamGroup:
         self.post_forward: PostForwardShard | None = None
         self._kept: torch.Tensor | None = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
+        # rows of the gathered (world, bytes) buffer that hold a parameter row: copy-out skips the rest
+        self.data_ranks = max((p.data_ranks for p in params), default=0)
         self.stats = CommStats()
         self.is_unsharded = False
         self.pending_unshard: PendingCollective | None = None
@@ -161,6 +164,9 @@ class ParamGroup:
             with labelled("copy_out", self):
                 if rows == self.world_size:  # the targets already are (world, padded bytes)
                     targets = [p.alloc_unsharded() for p in self.params]
+                    if self.data_ranks < rows and self.post_forward is None and not isinstance(gathered, GatheredRows):
+                        # later ranks' rows are padding, which no parameter reads: left unwritten
+                        gathered, targets = gathered[: self.data_ranks], [t[: self.data_ranks] for t in targets]
                 else:
                     targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
@@ -224,19 +230,25 @@ class ParamGroup:
             for p in self.trainable:
                 by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
             plan = self._reduce_plan = [
-                (dtype, params, (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize)
+                (
+                    dtype,
+                    params,
+                    (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize,
+                    # some parameter's rows reach fewer ranks: its gradient block is that short
+                    self.world_size if any(p.data_ranks < self.world_size for p in params) else None,
+                )
                 for dtype, params in by_dtype.items()
             ]
         comm = self.comm
         group = comm.reduce_process_group or self.process_group
         factor = comm.gradient_divide_factor or self.dp_size
         with grad_off():
-            for dtype, params, nbytes in plan:
+            for dtype, params, nbytes, world_if_short in plan:
                 rows, present = [], []
                 for p in params:
                     grad = p.unsharded_grad()
                     present.append(grad is not None)
-                    rows.append(p.padded_grad_rows(grad))
+                    rows.append(p.padded_grad_rows(grad, p.data_ranks if world_if_short else None))
                     p.clear_unsharded_grad()
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
@@ -248,7 +260,9 @@ class ParamGroup:
                     pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
                 self._handshake(REDUCE_SCATTER, nbytes, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm.reduce_scatter)
+                    work, reduced = reduce_scatter_rows(
+                        rows, group, self.stats, pre_divide, comm.reduce_scatter, world=world_if_short
+                    )
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all_present)
                 self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
 

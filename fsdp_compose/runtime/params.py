@@ -163,6 +163,9 @@ class ShardedParam:
         self.row_numel = math.prod(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
         self.rows_per_rank = math.ceil(size / self.world_size)
         self.padded_numel = self.rows_per_rank * self.row_numel
+        # ranks whose shard holds a row: later ones hold only padding (a tiny parameter at a
+        # large world size), which collectives move but no rank ever reads
+        self.data_ranks = math.ceil(size / self.rows_per_rank) if size else 0
         start = min(self.rank * self.rows_per_rank, size)
         end = min(start + self.rows_per_rank, size)
         self.row_range = (start, end)  # this rank's rows (slices of shard_dim) of the unsharded tensor
@@ -366,18 +369,22 @@ class ShardedParam:
             place.module._parameters[place.name] = param
 
     # ----- gradients --------------------------------------------------------------------
-    def padded_grad_rows(self, grad: torch.Tensor | None) -> torch.Tensor:
-        """The unsharded gradient as (world, padded_numel) in the reduce dtype, zero-filled as needed."""
+    def padded_grad_rows(self, grad: torch.Tensor | None, ranks: int | None = None) -> torch.Tensor:
+        """The unsharded gradient as (ranks, padded_numel) in the reduce dtype, zero-filled as needed.
+
+        ``ranks`` (at least ``data_ranks``; the world size by default) leaves out the rows of
+        later ranks, which are padding only: the caller fills those."""
         dtype = self.layout.reduce_dtype
+        ranks = self.world_size if ranks is None else ranks
         if grad is None:
-            return torch.zeros(self.world_size, self.padded_numel, dtype=dtype, device=self.layout.compute_device)
-        missing = self.world_size * self.padded_numel - grad.numel()
+            return torch.zeros(ranks, self.padded_numel, dtype=dtype, device=self.layout.compute_device)
+        missing = ranks * self.padded_numel - grad.numel()
         if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
-            return grad.reshape(self.world_size, self.padded_numel)
+            return grad.reshape(ranks, self.padded_numel)
         flat = grad.reshape(-1).to(dtype)
         if missing:
             flat = torch.cat([flat, flat.new_zeros(missing)])
-        return flat.view(self.world_size, self.padded_numel)
+        return flat.view(ranks, self.padded_numel)
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
         """Add this rank's reduced gradient shard into the sharded ``.grad`` (own dtype and device)."""

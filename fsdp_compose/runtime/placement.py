@@ -98,8 +98,8 @@ class DimShardedParam(ShardedParam):
         return super().unsharded_nbytes() + self._unsharded_data.untyped_storage().nbytes()
 
     # ----- gradients ---------------------------------------------------------------------
-    def padded_grad_rows(self, grad: torch.Tensor | None) -> torch.Tensor:
-        return super().padded_grad_rows(None if grad is None else self.to_comm(grad))
+    def padded_grad_rows(self, grad: torch.Tensor | None, ranks: int | None = None) -> torch.Tensor:
+        return super().padded_grad_rows(None if grad is None else self.to_comm(grad), ranks)
 
     def accumulate_grad(self, local_grad: torch.Tensor) -> None:
         super().accumulate_grad(self.from_comm(local_grad.view(self.comm_local_shape)).contiguous())

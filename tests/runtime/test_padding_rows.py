@@ -1,0 +1,74 @@
+"""Parameters with fewer rows than ranks: the rows of later ranks are padding only. Copy-out
+leaves them unwritten and the reduce-scatter table fills them with one zero fill, so the
+bytes sent are what they were (every rank's row, zeros where it holds no data) and training
+matches the unsharded model."""
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.tensor import Shard
+
+from fsdp_compose import fully_shard
+from fsdp_compose.runtime.state import states_in
+from tests.harness import run_on_ranks
+from tests.test_edge_inputs import _parity
+
+
+class Narrow(nn.Module):
+    """At 4 ranks: ``a`` holds rows on 2 ranks, ``c`` on 1 (Shard(0)) or 4 (Shard(1)), ``b`` on all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(2, 8)
+        self.c = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.c(torch.relu(self.b(self.a(x))))
+
+
+def _shard(model: Narrow) -> None:
+    fully_shard(model.a, reshard_after_forward=2)  # gathered again within pairs for backward
+    fully_shard(model.c, shard_placement_fn=lambda p: Shard(1) if p.ndim == 2 else None)
+    fully_shard(model)  # b, whose rows reach every rank, with a at two ranks' rows
+
+
+def _step(model, batch):
+    loss = model(batch).pow(2).mean()
+    loss.backward()
+    return loss
+
+
+def _parity_and_tables() -> tuple[float, dict]:
+    sent = {}  # width -> the last reduce-scatter input of that width, as (world, width)
+    original = ProcessGroup.reduce_scatter_single
+    raw = vars(ProcessGroup)["reduce_scatter_single"]
+
+    def watch(group, output, input, *args):
+        table = input.view(group.size(), -1)
+        sent[table.shape[1]] = table.tolist()
+        return original(group, output, input, *args)
+
+    ProcessGroup.reduce_scatter_single = watch
+    try:
+        worst = _parity(Narrow, _step, shard=_shard)
+    finally:
+        ProcessGroup.reduce_scatter_single = raw
+    return worst, sent
+
+
+def _group_data_ranks() -> list[int]:
+    model = Narrow()
+    _shard(model)
+    return [s.group.data_ranks for _, s in states_in(model)]
+
+
+def test_rows_of_later_ranks_are_padding_and_training_matches():
+    assert run_on_ranks(4, _group_data_ranks)[0] == [4, 2, 4]  # the root (b), a, c
+    for worst, sent in run_on_ranks(4, _parity_and_tables):
+        assert worst <= 1e-5
+        # a: weight (2, 4) and bias (2,), one row per rank, then 2 flags: ranks 2 and 3 hold no data
+        assert sorted(sent) == [5, 7, 8] and all(len(table) == 4 for table in sent.values())
+        assert sent[7][2] == sent[7][3] == [0, 0, 0, 0, 0, 1, 1]
+        # c: weight (1, 8) split on dim 1 (2 columns per rank), bias (1,) on rank 0 alone
+        assert [row[2] for row in sent[5][1:]] == [0, 0, 0] and all(row[3:] == [1, 1] for row in sent[5])
