@@ -131,24 +131,31 @@ def copy_out(gathered: torch.Tensor | GatheredRows, layout: GatherLayout, target
 
 
 def reduce_scatter_rows(
-    rows: list[torch.Tensor], group, stats: CommStats, pre_divide: float = 1, comm=None, world: int | None = None
+    rows: list[torch.Tensor],
+    group,
+    stats: CommStats,
+    pre_divide: float = 1,
+    comm=None,
+    tail: torch.Tensor | None = None,
 ) -> tuple[object, torch.Tensor]:
     """Start one reduce-scatter (sum) of column blocks; rank r receives row r.
 
-    Blocks are (world, columns), or, where ``world`` is given, may be shorter: they hold the
-    first rows of their columns, and the rest are zeros (padding, which no receiver reads),
-    written as one fill rather than built row by row for every parameter.
+    Blocks are (world, columns). With ``tail`` (later ranks' rows, all alike: a row expanded),
+    they hold only the first ranks' rows and the table's other rows are ``tail``: where every
+    parameter's rows reach only the first ranks, the rest is padding (zeros) and flags, copied
+    in one go rather than padded block by block.
     Empties ``rows`` once they are copied into the table, so the unsharded gradients they
     refer to are freed before the output is allocated and while the collective is in flight.
     ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
     """
-    shm = transport_for(group, world or rows[0].shape[0], rows[0].device) if comm is None else None
-    if world is not None and (shm is not None or comm is not None):
-        rows[:] = [_full_height(r, world) for r in rows]
+    world = rows[0].shape[0] if tail is None else rows[0].shape[0] + tail.shape[0]
+    shm = transport_for(group, world, rows[0].device) if comm is None else None
+    if tail is not None:
+        rows[:] = [_table(rows, tail)]
     if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: the table is built in shared memory
         return shm.reduce_scatter_rows(rows, stats, pre_divide)
     if comm is None:
-        table = torch.cat(rows, dim=1) if world is None else _table(rows, world)
+        table = rows[0] if tail is not None else torch.cat(rows, dim=1)
     else:
         width = sum(r.shape[1] for r in rows)
         buffer = comm.allocate((rows[0].shape[0] * width,), dtype=rows[0].dtype, device=rows[0].device)
@@ -171,27 +178,12 @@ def reduce_scatter_rows(
     return work, output
 
 
-def _full_height(block: torch.Tensor, world: int) -> torch.Tensor:
-    """``block`` with zero rows appended up to ``world`` rows."""
-    if block.shape[0] == world:
-        return block
-    return torch.cat([block, block.new_zeros(world - block.shape[0], block.shape[1])])
-
-
-def _table(rows: list[torch.Tensor], world: int) -> torch.Tensor:
-    """The blocks side by side in a new (world, width) table, shorter ones zero below."""
-    top, width = world, 0
-    for r in rows:
-        top, width = min(top, r.shape[0]), width + r.shape[1]
-    table = rows[0].new_empty(world, width)
-    torch.cat([r if r.shape[0] == top else r[:top] for r in rows], dim=1, out=table[:top])
-    below, start = table[top:], 0
-    below.zero_()  # one fill of contiguous memory; then the taller blocks' own rows over it
-    for r in rows:
-        end = start + r.shape[1]
-        if r.shape[0] > top:
-            below[: r.shape[0] - top, start:end].copy_(r[top:])
-        start = end
+def _table(rows: list[torch.Tensor], tail: torch.Tensor) -> torch.Tensor:
+    """The blocks side by side over ``tail``, in a new table."""
+    top = rows[0].shape[0]
+    table = rows[0].new_empty(top + tail.shape[0], tail.shape[1])
+    torch.cat(rows, dim=1, out=table[:top])
+    table[top:].copy_(tail)
     return table
 
 

@@ -60,11 +60,11 @@ class ParamGroup:
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
-        # built by the first reduce: (dtype, params, bytes one rank sends, world size if some rows are short)
+        # built by the first reduce: (dtype, params, bytes one rank sends, ranks their rows reach if not all)
         self._reduce_plan: list[tuple[torch.dtype, list[ShardedParam], int, int | None]] | None = None
         self.mesh = mesh
         self.device = device
-        self._all_present: dict[torch.dtype, torch.Tensor] = {}
+        self._all_present: dict = {}  # dtype, or (dtype, ranks): cached flag rows
         # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
         # all-reduce of the reduced shards across the replicate dim
         self.world_size = mesh.size(mesh.ndim - 1)
@@ -162,11 +162,14 @@ class ParamGroup:
             gathered = gathered[:, HEADER_BYTES:]
         with grad_off():
             with labelled("copy_out", self):
-                if rows == self.world_size:  # the targets already are (world, padded bytes)
+                # later ranks' rows are padding, which no parameter reads: left unwritten (a
+                # post-forward slice keeps rows of other ranks, so it gets them all)
+                short = self.data_ranks < rows == self.world_size and self.post_forward is None
+                if short and type(gathered) is not GatheredRows:
+                    targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
+                    gathered = gathered[: self.data_ranks]
+                elif rows == self.world_size:  # the targets already are (world, padded bytes)
                     targets = [p.alloc_unsharded() for p in self.params]
-                    if self.data_ranks < rows and self.post_forward is None and not isinstance(gathered, GatheredRows):
-                        # later ranks' rows are padding, which no parameter reads: left unwritten
-                        gathered, targets = gathered[: self.data_ranks], [t[: self.data_ranks] for t in targets]
                 else:
                     targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
@@ -234,8 +237,8 @@ class ParamGroup:
                     dtype,
                     params,
                     (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize,
-                    # some parameter's rows reach fewer ranks: its gradient block is that short
-                    self.world_size if any(p.data_ranks < self.world_size for p in params) else None,
+                    # where no parameter's rows reach every rank: the ranks they reach
+                    _short_of(max(p.data_ranks for p in params), self.world_size),
                 )
                 for dtype, params in by_dtype.items()
             ]
@@ -243,16 +246,21 @@ class ParamGroup:
         group = comm.reduce_process_group or self.process_group
         factor = comm.gradient_divide_factor or self.dp_size
         with grad_off():
-            for dtype, params, nbytes, world_if_short in plan:
+            for dtype, params, nbytes, top in plan:
                 rows, present = [], []
                 for p in params:
                     grad = p.unsharded_grad()
                     present.append(grad is not None)
-                    rows.append(p.padded_grad_rows(grad, p.data_ranks if world_if_short else None))
+                    rows.append(p.padded_grad_rows(grad, top))
                     p.clear_unsharded_grad()
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
-                rows.append(self._flag_rows(dtype, present, all_present))
+                if top is None:
+                    rows.append(self._flag_rows(dtype, present, all_present))
+                    tail = None
+                else:
+                    flags, tail = self._short_flag_rows(dtype, present, all_present, top, nbytes // dtype.itemsize)
+                    rows.append(flags)
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 if dtype.itemsize >= 4:
                     pre_divide = 1
@@ -261,10 +269,26 @@ class ParamGroup:
                 self._handshake(REDUCE_SCATTER, nbytes, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
                     work, reduced = reduce_scatter_rows(
-                        rows, group, self.stats, pre_divide, comm.reduce_scatter, world=world_if_short
+                        rows, group, self.stats, pre_divide, comm.reduce_scatter, tail
                     )
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all_present)
                 self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
+
+    def _short_flag_rows(
+        self, dtype: torch.dtype, present: list[bool], all_present: bool, top: int, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The flags of the first ``top`` ranks' rows, and every later rank's row: zeros (padding),
+        then the flags. Both are cached for the common all-present case."""
+        if all_present:
+            cached = self._all_present.get((dtype, top))
+            if cached is not None:
+                return cached
+        flags = torch.tensor(present, dtype=dtype, device=self.device)
+        row = torch.cat([flags.new_zeros(width - len(present)), flags])
+        pair = flags.expand(top, -1), row.expand(self.world_size - top, -1)
+        if all_present:
+            self._all_present[(dtype, top)] = pair
+        return pair
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
         """Every row holds this rank's has-gradient flags; the common all-present case is cached."""
@@ -349,3 +373,8 @@ def _divisor(value: float, dtype: torch.dtype) -> float | torch.Tensor:
 
 def _discard() -> None:
     """Completion of a reduction whose result a recovered step no longer wants."""
+
+
+def _short_of(ranks: int, world: int) -> int | None:
+    """``ranks`` if fewer than ``world`` (rows of later ranks are padding only), else None."""
+    return ranks if ranks < world else None

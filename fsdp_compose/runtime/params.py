@@ -201,6 +201,7 @@ class ShardedParam:
         self.on_grad_accumulated = None
         # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
         self._gather_target: torch.Tensor | None = None
+        self._target_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (target, its first rows)
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
@@ -313,6 +314,15 @@ class ShardedParam:
             if storage.nbytes() != nbytes:
                 storage.resize_(nbytes)
         return self._gather_target
+
+    def alloc_unsharded_rows(self, ranks: int) -> torch.Tensor:
+        """``alloc_unsharded()``'s first ``ranks`` rows (``data_ranks`` or more: every row the
+        parameter reads). The view is kept across steps: resizing the storage keeps it valid."""
+        target = self.alloc_unsharded()
+        kept = self._target_rows
+        if kept is None or kept[0] is not target or kept[1].shape[0] != ranks:
+            kept = self._target_rows = (target, target[:ranks])
+        return kept[1]
 
     def free_unsharded(self) -> None:
         if self._gather_target is not None:
