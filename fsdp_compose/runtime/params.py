@@ -201,7 +201,7 @@ class ShardedParam:
         self.on_grad_accumulated = None
         # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
         self._gather_target: torch.Tensor | None = None
-        self._target_rows: tuple[torch.Tensor, torch.Tensor] | None = None  # (target, its first rows)
+        self._target_rows: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (target, n, its first n rows)
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
@@ -320,9 +320,9 @@ class ShardedParam:
         parameter reads). The view is kept across steps: resizing the storage keeps it valid."""
         target = self.alloc_unsharded()
         kept = self._target_rows
-        if kept is None or kept[0] is not target or kept[1].shape[0] != ranks:
-            kept = self._target_rows = (target, target[:ranks])
-        return kept[1]
+        if kept is None or kept[0] is not target or kept[1] != ranks:
+            kept = self._target_rows = (target, ranks, target[:ranks])
+        return kept[2]
 
     def free_unsharded(self) -> None:
         if self._gather_target is not None:
