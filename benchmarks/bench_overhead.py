@@ -61,15 +61,17 @@ def handshake_on(backend: str):
 
     torch's fake all-gather writes this rank's input into every rank's slot, so a handshake's
     gathered entries equal the expected ones; on the null backend the buffer keeps what it
-    held, so it is set to the expected entries before the collective (one 32-bytes-per-rank
-    copy, as the all-reduce form of the handshake does every time)."""
+    held, so the all-gather form (groups of up to 8 ranks) gets it set to the expected
+    entries first (one 32-bytes-per-rank copy, as the all-reduce form does every time; that
+    form needs nothing: it fills its buffer with the expected values itself)."""
     import fsdp_compose.runtime.handshake as handshake_module
 
     original = handshake_module.run
     if backend == null_backend.NAME:
 
         def prefilled(exchange, group, describe):
-            exchange.received.copy_(exchange.expected)
+            if not exchange.reduce:
+                exchange.received.copy_(exchange.expected)
             original(exchange, group, describe)
 
         handshake_module.run = prefilled
