@@ -133,7 +133,7 @@ class ParamGroup:
                 self._handshake(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
-                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, rows_ok=True
+                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, True, nbytes
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows)
         pending = PendingCollective(work, finish, what=self._name_all_gather)
@@ -166,8 +166,7 @@ class ParamGroup:
                 copy_out(gathered, layout, targets)
                 for p in self.params:
                     p.finish_copy_out()
-        for p in self.params:
-            p.use(unsharded=True)
+                    p.use(unsharded=True)
         self.is_unsharded = True
 
     def wait_unshard(self) -> None:
