@@ -258,12 +258,13 @@ class ShardedParam:
         the collective (so bf16 halves the bytes moved); without either, the byte views are
         cached.
         """
-        local = self.local_tensor()
+        local = self.sharded_param._local_tensor
+        if local is self._pieces_source:  # the shard the cached byte views were made of
+            return self._pieces
         if local.device != self.layout.compute_device or local.dtype != self.layout.gather_dtype:
             local = local.to(self.layout.compute_device, self.layout.gather_dtype, non_blocking=True)
             return self._as_pieces(local)
-        if local is not self._pieces_source:
-            self._pieces_source, self._pieces = local, self._as_pieces(local)
+        self._pieces_source, self._pieces = local, self._as_pieces(local)
         return self._pieces
 
     def _as_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
