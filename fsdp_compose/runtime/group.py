@@ -282,14 +282,14 @@ class ParamGroup:
                 return
             with labelled("all_reduce", self):
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
-        received = [1] * len(params) if all_present else reduced[-len(params):].tolist()
+        received = None if all_present else reduced[-len(params) :].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
         if factor != pre_divided:
             reduced.div_(_divisor(factor / pre_divided, reduced.dtype))
         offset = reduced.storage_offset()
-        for p, flag in zip(params, received):
-            if flag > 0:  # this rank's shard, shaped (one view op where a slice and a view took two)
+        for i, p in enumerate(params):
+            if received is None or received[i] > 0:  # this rank's shard, shaped (one view op)
                 p.accumulate_grad(reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
             offset += p.padded_numel
 
