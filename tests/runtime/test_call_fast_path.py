@@ -49,4 +49,3 @@ def test_fast_path_only_without_other_hooks():
         assert with_hook == ["FSDPSequential"]  # the hooked Linear took nn.Module's loop
         assert seen == ["Parameter"]  # unsharded by our hook, which ran first
         assert with_global == []
-
