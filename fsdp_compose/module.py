@@ -9,6 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .module_knobs import FSDPModuleKnobs
+from .runtime.hooks.call import call_sharded, sole_hooks_state
 from .runtime.refresh import refresh_params
 from .runtime.state import GroupState, class_name, interface_classes, state_of, states_in
 
@@ -48,6 +49,14 @@ class FSDPModule(FSDPModuleKnobs):
         instance = user_cls.__new__(user_cls, *args, **kwargs)
         instance.__init__(*args, **kwargs)
         return instance
+
+    def _call_impl(self, *args, **kwargs):
+        """``nn.Module``'s call, minus its general hook loop when only fully_shard's hooks would run
+        (``runtime/hooks/call.py``)."""
+        state = sole_hooks_state(self)
+        if state is None:
+            return super()._call_impl(*args, **kwargs)
+        return call_sharded(self, state, args, kwargs)
 
     def _fsdp_state(self) -> GroupState:
         state = state_of(self)

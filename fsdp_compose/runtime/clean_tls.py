@@ -20,6 +20,14 @@ import torch
 _CONTEXT_KEY = "context"  # torch.autograd.graph._engine_run_backward stashes it during backward
 _autograd = torch._C._autograd
 _NULL = contextlib.nullcontext()
+# bound once: these run up to four times per group and step in backward
+_is_key_in_tls = torch._C._is_key_in_tls
+_get_obj_in_tls = torch._C._get_obj_in_tls
+_remove_obj_from_tls = torch._C._remove_obj_from_tls
+_stash_obj_in_tls = torch._C._stash_obj_in_tls
+_top_hooks = _autograd._top_saved_tensors_default_hooks
+_pop_hooks = _autograd._pop_saved_tensors_default_hooks
+_push_hooks = _autograd._push_saved_tensors_default_hooks
 
 
 def python_free_tls() -> contextlib.AbstractContextManager:
@@ -27,7 +35,7 @@ def python_free_tls() -> contextlib.AbstractContextManager:
 
     Outside backward and checkpointing there is nothing to hide: a shared no-op context then
     saves the generator-based one (a few µs per collective)."""
-    if torch._C._is_key_in_tls(_CONTEXT_KEY) or _autograd._top_saved_tensors_default_hooks(True) is not None:
+    if _is_key_in_tls(_CONTEXT_KEY) or _top_hooks(True) is not None:
         return _HidePythonObjects()
     return _NULL
 
@@ -39,16 +47,19 @@ class _HidePythonObjects:
 
     def __enter__(self) -> None:
         self.context = None
-        if torch._C._is_key_in_tls(_CONTEXT_KEY):
-            self.context = torch._C._get_obj_in_tls(_CONTEXT_KEY)
-            torch._C._remove_obj_from_tls(_CONTEXT_KEY)
-        self.hooks = []
-        while (top := _autograd._top_saved_tensors_default_hooks(True)) is not None:
+        if _is_key_in_tls(_CONTEXT_KEY):
+            self.context = _get_obj_in_tls(_CONTEXT_KEY)
+            _remove_obj_from_tls(_CONTEXT_KEY)
+        self.hooks = None  # the usual backward has none: no list then
+        while (top := _top_hooks(True)) is not None:
+            if self.hooks is None:
+                self.hooks = []
             self.hooks.append(top)
-            _autograd._pop_saved_tensors_default_hooks()
+            _pop_hooks()
 
     def __exit__(self, *exc: object) -> None:
-        for pack, unpack in reversed(self.hooks):
-            _autograd._push_saved_tensors_default_hooks(pack, unpack)
+        if self.hooks is not None:
+            for pack, unpack in reversed(self.hooks):
+                _push_hooks(pack, unpack)
         if self.context is not None:
-            torch._C._stash_obj_in_tls(_CONTEXT_KEY, self.context)
+            _stash_obj_in_tls(_CONTEXT_KEY, self.context)

@@ -82,6 +82,7 @@ def all_gather_flat(
     comm=None,
     rank: int | None = None,
     rows_ok: bool = False,
+    numel: int | None = None,
 ) -> tuple[object, torch.Tensor | GatheredRows]:
     """Start one all-gather of the concatenated pieces; return (work, (world, total) output).
 
@@ -93,7 +94,8 @@ def all_gather_flat(
     collective) where the transport left the rows in shared memory.
     """
     first = pieces[0]
-    numel = sum(p.numel() for p in pieces)
+    if numel is None:  # ``numel``: the pieces' total, where the caller knows it already
+        numel = sum(p.numel() for p in pieces)
     shm = transport_for(group, layout.world_size, first.device) if comm is None else None
     if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: through shared memory, synchronously
         return shm.all_gather_flat(pieces, numel, stats, rows_ok)

@@ -136,7 +136,7 @@ class ParamGroup:
                 self._handshake(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
-                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, rows_ok=True
+                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, True, nbytes
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows)
         pending = PendingCollective(work, finish, what=self._name_all_gather)
@@ -175,8 +175,7 @@ class ParamGroup:
                 copy_out(gathered, layout, targets)
                 for p in self.params:
                     p.finish_copy_out()
-        for p in self.params:
-            p.use(unsharded=True)
+                    p.use(unsharded=True)
         self.is_unsharded = True
 
     def wait_unshard(self) -> None:
@@ -321,14 +320,14 @@ class ParamGroup:
                 return
             with labelled("all_reduce", self):
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
-        received = [1] * len(params) if all_present else reduced[-len(params):].tolist()
+        received = None if all_present else reduced[-len(params) :].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
         if factor != pre_divided:
             reduced.div_(_divisor(factor / pre_divided, reduced.dtype))
         offset = reduced.storage_offset()
-        for p, flag in zip(params, received):
-            if flag > 0:  # this rank's shard, shaped (one view op where a slice and a view took two)
+        for i, p in enumerate(params):
+            if received is None or received[i] > 0:  # this rank's shard, shaped (one view op)
                 p.accumulate_grad(reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
             offset += p.padded_numel
 

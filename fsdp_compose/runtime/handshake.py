@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -69,8 +70,9 @@ class _Exchange:
     All-gather: this rank's entry, where the rows land, what they must equal. All-reduce: the
     entry and its negation (the result must equal them: max == this entry and max of the
     negations == -this entry, i.e. min == this entry), and a buffer the all-reduce overwrites.
-    Either way a handshake is one collective, one wait and one ``torch.equal`` (plus a copy to
-    reset the all-reduce's buffer)."""
+    Either way a handshake is one collective, one wait and one comparison (plus a copy to
+    reset the all-reduce's buffer). On the CPU the comparison is of bytes, through a numpy view
+    of the received tensor kept with it: no tensor op (``torch.equal`` costs a dispatch)."""
 
     def __init__(self, uid: int, kind: int, nbytes: int, world: int, device: torch.device, reduce: bool) -> None:
         self.mine = torch.tensor([MAGIC, uid, kind, nbytes], dtype=torch.int64, device=device)
@@ -81,6 +83,17 @@ class _Exchange:
         else:
             self.expected = self.mine.repeat(world)
             self.received = self.mine.new_empty(world * 4)
+        on_cpu = device.type == "cpu"
+        self.received_array = self.received.numpy() if on_cpu else None  # shares the tensor's memory
+        self.expected_bytes = self.expected.numpy().tobytes() if on_cpu else None
+        self.describe: Callable[[int], str] | None = None
+        self.what: Callable[[], str] = str  # names the handshake if its wait fails; set with ``describe``
+
+    def agreed(self) -> bool:
+        """Whether the collective gave back exactly the expected entries."""
+        if self.received_array is not None:
+            return self.received_array.tobytes() == self.expected_bytes
+        return torch.equal(self.received, self.expected)
 
 
 class Handshakes:
@@ -123,6 +136,8 @@ class Handshakes:
 
 def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
     received = exchange.received
+    if exchange.describe is not describe:  # the failure message's builder, made once
+        exchange.describe, exchange.what = describe, partial(_what, exchange, describe)
     if exchange.reduce:
         received.copy_(exchange.expected)
     with python_free_tls():
@@ -131,8 +146,8 @@ def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
         else:
             work = group.all_gather_single(received, exchange.mine, ASYNC_ALL_GATHER)
     if work is not None:
-        wait_named(work, lambda: _what(exchange, describe))
-    if torch.equal(received, exchange.expected):
+        wait_named(work, exchange.what)
+    if exchange.agreed():
         return
     rows = received
     if exchange.reduce:  # every rank got the same maxima, so every rank is here: gather the entries to name them

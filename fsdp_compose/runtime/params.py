@@ -202,6 +202,8 @@ class ShardedParam:
         # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
         self._gather_target: torch.Tensor | None = None
         self._target_rows: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (target, n, its first n rows)
+        self._gather_storage = None  # its storage object and full size, cached by alloc_unsharded
+        self._gather_nbytes = 0
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
@@ -248,6 +250,7 @@ class ShardedParam:
         self.layout = layout
         self.unsharded_param = None
         self._gather_target = None
+        self._gather_storage = None
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source, self._pieces = None, []
         self._accumulated_grad = None
@@ -259,12 +262,13 @@ class ShardedParam:
         the collective (so bf16 halves the bytes moved); without either, the byte views are
         cached.
         """
-        local = self.local_tensor()
+        local = self.sharded_param._local_tensor
+        if local is self._pieces_source:  # the shard the cached byte views were made of
+            return self._pieces
         if local.device != self.layout.compute_device or local.dtype != self.layout.gather_dtype:
             local = local.to(self.layout.compute_device, self.layout.gather_dtype, non_blocking=True)
             return self._as_pieces(local)
-        if local is not self._pieces_source:
-            self._pieces_source, self._pieces = local, self._as_pieces(local)
+        self._pieces_source, self._pieces = local, self._as_pieces(local)
         return self._pieces
 
     def _as_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
@@ -303,16 +307,21 @@ class ShardedParam:
         )
         if self.requires_grad and self.on_grad_accumulated is not None:
             self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
+        self._gather_storage = None  # a subclass may replace the target after this
 
     def alloc_unsharded(self) -> torch.Tensor:
-        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target."""
+        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target.
+
+        The target's storage object is kept: ``untyped_storage()`` builds a new Python object
+        per call, twice per parameter and step otherwise."""
         if self.unsharded_param is None:
             self._create_unsharded()
-        else:
-            storage = self._gather_target.untyped_storage()
-            nbytes = self._gather_target.numel()
-            if storage.nbytes() != nbytes:
-                storage.resize_(nbytes)
+        storage = self._gather_storage
+        if storage is None:
+            storage = self._gather_storage = self._gather_target.untyped_storage()
+            self._gather_nbytes = self._gather_target.numel()
+        if storage.nbytes() != self._gather_nbytes:
+            storage.resize_(self._gather_nbytes)
         return self._gather_target
 
     def alloc_unsharded_rows(self, ranks: int) -> torch.Tensor:
@@ -325,7 +334,9 @@ class ShardedParam:
         return kept[2]
 
     def free_unsharded(self) -> None:
-        if self._gather_target is not None:
+        if self._gather_storage is not None:
+            self._gather_storage.resize_(0)
+        elif self._gather_target is not None:
             self._gather_target.untyped_storage().resize_(0)
 
     def unsharded_nbytes(self) -> int:

@@ -127,6 +127,10 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
     record_post_forward(root, state)
     if state.reshards_after_forward():
         state.group.reshard(after_forward=True)
+    if type(output) is torch.Tensor:  # the usual output: no generator
+        if output.requires_grad:
+            register_pre_backward(output, state)
+        return output
     for x in output_tensors(output):
         if x.requires_grad:
             register_pre_backward(x, state)
