@@ -2,6 +2,7 @@
 
     python benchmarks/bench_overhead.py      # ws 8; 12, 48 and 192 tiny groups; then ws 128 and 1024 vs 8
     python benchmarks/bench_overhead.py --groups 12 --rounds 2 --large-world-size 1024   # quicker
+    python benchmarks/bench_overhead.py --cpu-time --fit 1,2,4,12,24,48   # only (f): fixed + per-group split
 
 With the fake backend every collective returns at once, so a step's time is compute on tiny
 tensors plus the library's own bookkeeping; the compute-only figure (same model, no sharding)
@@ -152,11 +153,17 @@ def main() -> None:
     parser.add_argument("--large-world-size", default="128,1024",
                         help="comma-separated world sizes to compare with --world-size; 0 skips the comparison")
     parser.add_argument("--large-groups", type=int, default=48)
+    parser.add_argument("--fit", default="",
+                        help="comma-separated group counts (e.g. 1,2,4,12,24,48): only fit step overhead = "
+                        "fixed + per-group x groups for each library, models interleaved in one process group")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time each step by this thread's CPU time (the fake group runs on it alone), "
                         "not wall time: far less disturbed by other jobs on a shared machine")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.fit:
+        fit_fixed_cost(args, [int(g) for g in args.fit.split(",")])
+        return
     kinds = ["compute", "torch", "ours", "ours, order check off"]
     layer = f"Linear({args.dim},{args.dim})"
     print(f"(b) fake process group, ws {args.world_size}, N groups of {layer} + root; "
@@ -217,6 +224,61 @@ def world_compare(args) -> None:
         ratio = ratios[backend, "ours"][-1]
         print(f"    target ({backend} backend): ours ws {sizes[-1]} <= 1.5x ws {sizes[0]}: "
               f"{'met' if ratio <= 1.5 else 'NOT met'} ({ratio:.2f}x; torch FSDP2 {ratios[backend, 'torch'][-1]:.2f}x)")
+
+
+def fit_fixed_cost(args, counts: list[int]) -> None:
+    """(f) Split each library's overhead into a per-step part and a per-group part.
+
+    Every model (each library at each group count) lives in one fake process group and the
+    rounds interleave them, so slow spells of a shared machine hit every count alike; a least
+    squares line through overhead(groups) gives the fixed cost (the intercept: the root's own
+    hooks, end-of-backward bookkeeping, whatever runs once a step) and the cost per group."""
+    import numpy as np
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_compose import fully_shard
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
+    mesh = init_device_mesh("cpu", (args.world_size,))
+    kinds = ["torch", "ours", "ours,nochk"]
+    models = {}
+    for groups in counts:
+        models["compute", groups] = build(groups, args.dim)
+        models["torch", groups] = shard(build(groups, args.dim), torch_fully_shard, mesh)
+        for kind in kinds[1:]:  # the check mode is read when fully_shard builds the groups
+            check_against_local_tag(enabled=kind == "ours")
+            models[kind, groups] = shard(build(groups, args.dim), fully_shard, mesh)
+    x = torch.randn(4, args.dim)
+
+    def step(model):
+        def run():
+            model(x).sum().backward()
+            for p in model.parameters():
+                p.grad = None
+
+        return run
+
+    clock = time.thread_time if args.cpu_time else time.perf_counter
+    for model in models.values():
+        for _ in range(3):
+            step(model)()
+    times = {(kind, groups): [] for kind in ["compute"] + kinds for groups in counts}
+    for _ in range(args.rounds):
+        for (kind, groups), samples in times.items():
+            samples.append(median_time(step(models[kind, groups]), args.steps, clock))
+    dist.destroy_process_group()
+    best = {key: min(v) for key, v in times.items()}
+    print(f"(f) overhead = fixed + per-group x groups, fake process group ws {args.world_size}, Linear({args.dim},"
+          f"{args.dim}) groups + root, best of {args.rounds} rounds of median-of-{args.steps}"
+          f"{', thread CPU time' if args.cpu_time else ''}, all models interleaved")
+    print(f"    {'':10s}" + "".join(f"{g:>8d}" for g in counts)
+          + "   groups: overhead us/step | fixed us/step  us/group")
+    for kind in kinds:
+        over = [(best[kind, g] - best["compute", g]) * 1e6 for g in counts]
+        per_group, fixed = np.polyfit(counts, over, 1)
+        print(f"    {kind:10s}" + "".join(f"{o:8.1f}" for o in over) + f"   | {fixed:13.1f} {per_group:9.1f}")
 
 
 def label_cost(run_step, model) -> str:

@@ -132,7 +132,8 @@ def end_of_backward(root: RootState) -> None:
             state.group.reshard()
     if root.root_state.is_last_backward:
         for state in root.states:
-            state.group.wait_reduces()
+            if state.group.pending_reduces:  # most groups' reductions finished long ago
+                state.group.wait_reduces()
         root.reducing.clear()
     for state in root.states:
         state.reset_backward()
