@@ -150,19 +150,21 @@ def reduce_scatter_rows(
     refer to are freed before the output is allocated and while the collective is in flight.
     ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
     """
-    world = rows[0].shape[0] if tail is None else rows[0].shape[0] + tail.shape[0]
+    top = rows[0].shape[0]
+    world = top if tail is None else top + tail.shape[0]
     shm = transport_for(group, world, rows[0].device) if comm is None else None
-    if tail is not None:
-        rows[:] = [_table(rows, tail)]
     if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: the table is built in shared memory
+        if tail is not None:
+            rows[:] = [_fill_table(rows, tail, rows[0].new_empty(world, tail.shape[1]))]
         return shm.reduce_scatter_rows(rows, stats, pre_divide)
-    if comm is None:
-        table = rows[0] if tail is not None else torch.cat(rows, dim=1)
-    else:
+    if comm is not None:
         width = sum(r.shape[1] for r in rows)
-        buffer = comm.allocate((rows[0].shape[0] * width,), dtype=rows[0].dtype, device=rows[0].device)
-        table = buffer.view(rows[0].shape[0], width)
-        torch.cat(rows, dim=1, out=table)
+        buffer = comm.allocate((world * width,), dtype=rows[0].dtype, device=rows[0].device)
+        table = _fill_table(rows, tail, buffer.view(world, width))
+    elif tail is not None:
+        table = _fill_table(rows, tail, rows[0].new_empty(world, tail.shape[1]))
+    else:
+        table = torch.cat(rows, dim=1)
     rows.clear()
     if pre_divide != 1:
         table.div_(pre_divide)
@@ -180,12 +182,12 @@ def reduce_scatter_rows(
     return work, output
 
 
-def _table(rows: list[torch.Tensor], tail: torch.Tensor) -> torch.Tensor:
-    """The blocks side by side over ``tail``, in a new table."""
-    top = rows[0].shape[0]
-    table = rows[0].new_empty(top + tail.shape[0], tail.shape[1])
-    torch.cat(rows, dim=1, out=table[:top])
-    table[top:].copy_(tail)
+def _fill_table(rows: list[torch.Tensor], tail: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+    """The blocks side by side in ``table``'s first rows, ``tail`` (if any) in the rest."""
+    if tail is None:
+        return torch.cat(rows, dim=1, out=table)
+    torch.cat(rows, dim=1, out=table[: rows[0].shape[0]])
+    table[rows[0].shape[0] :].copy_(tail)
     return table
 
 

@@ -64,7 +64,7 @@ class ParamGroup:
         self._reduce_plan: list[tuple[torch.dtype, list[ShardedParam], int, int | None]] | None = None
         self.mesh = mesh
         self.device = device
-        self._all_present: dict = {}  # dtype, or (dtype, ranks): cached flag rows
+        self._all_present: dict = {}  # reduce dtype -> its cached flag rows (and tail)
         # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
         # all-reduce of the reduced shards across the replicate dim
         self.world_size = mesh.size(mesh.ndim - 1)
@@ -254,12 +254,8 @@ class ParamGroup:
                     p.clear_unsharded_grad()
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
-                if top is None:
-                    rows.append(self._flag_rows(dtype, present, all_present))
-                    tail = None
-                else:
-                    flags, tail = self._short_flag_rows(dtype, present, all_present, top, nbytes // dtype.itemsize)
-                    rows.append(flags)
+                flags, tail = self._flag_rows(dtype, present, all_present, top, nbytes // dtype.itemsize)
+                rows.append(flags)
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 if dtype.itemsize >= 4:
                     pre_divide = 1
@@ -273,32 +269,25 @@ class ParamGroup:
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all_present)
                 self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
 
-    def _short_flag_rows(
-        self, dtype: torch.dtype, present: list[bool], all_present: bool, top: int, width: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The flags of the first ``top`` ranks' rows, and every later rank's row: zeros (padding),
-        then the flags. Both are cached for the common all-present case."""
+    def _flag_rows(
+        self, dtype: torch.dtype, present: list[bool], all_present: bool, top: int | None, width: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """This rank's has-gradient flags, as the flag columns of every rank's row; or, with
+        ``top``, of the first ``top`` ranks' rows, plus every later rank's whole row (zeros, the
+        padding, then the flags) as the table's tail. The common all-present case is cached."""
         if all_present:
-            cached = self._all_present.get((dtype, top))
+            cached = self._all_present.get(dtype)
             if cached is not None:
                 return cached
         flags = torch.tensor(present, dtype=dtype, device=self.device)
-        row = torch.cat([flags.new_zeros(width - len(present)), flags])
-        pair = flags.expand(top, -1), row.expand(self.world_size - top, -1)
+        if top is None:
+            pair = flags.expand(self.world_size, -1), None
+        else:
+            row = torch.cat([flags.new_zeros(width - len(present)), flags])
+            pair = flags.expand(top, -1), row.expand(self.world_size - top, -1)
         if all_present:
-            self._all_present[(dtype, top)] = pair
+            self._all_present[dtype] = pair
         return pair
-
-    def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
-        """Every row holds this rank's has-gradient flags; the common all-present case is cached."""
-        if all_present:
-            rows = self._all_present.get(dtype)
-            if rows is None:
-                ones = torch.ones(len(present), dtype=dtype, device=self.device)
-                rows = self._all_present[dtype] = ones.expand(self.world_size, -1)
-            return rows
-        flags = torch.tensor(present, dtype=dtype, device=self.device)
-        return flags.expand(self.world_size, -1)
 
     def _finish_reduce(
         self,
