@@ -15,7 +15,6 @@ one (the same work, plus one tag build); the handshake before each all-gather ru
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import sys
 import time
@@ -55,6 +54,31 @@ def check_against_local_tag(enabled: bool) -> None:
     group_module.verify_headers = verify_local
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if enabled else "0"
 
+
+
+def sharded(kind: str, groups: int, dim: int, mesh) -> torch.nn.Sequential:
+    """The model of ``kind``: "compute" (unsharded), "torch" (FSDP2), "ours" or "ours,nochk"."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from fsdp_compose import fully_shard
+
+    if kind == "compute":
+        return build(groups, dim)
+    if kind == "torch":
+        return shard(build(groups, dim), torch_fully_shard, mesh)
+    check_against_local_tag(enabled=kind == "ours")  # read when fully_shard builds the groups
+    return shard(build(groups, dim), fully_shard, mesh)
+
+
+def stepper(model, x: torch.Tensor):
+    """One training step of ``model`` (forward, backward, gradients dropped), as a function."""
+
+    def run():
+        model(x).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    return run
 
 @contextmanager
 def handshake_on(backend: str):
@@ -98,29 +122,11 @@ def _measure(world_size: int, groups: int, args, kinds, with_label_cost: bool, b
 
     dist.init_process_group(backend, store=FakeStore(), rank=0, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from fsdp_compose import fully_shard
-
-    base = build(groups, args.dim)
-    models = {}
-    for kind in kinds:
-        if kind == "compute":
-            models[kind] = copy.deepcopy(base)
-        elif kind == "torch":
-            models[kind] = shard(copy.deepcopy(base), torch_fully_shard, mesh)
-        else:
-            check_against_local_tag(enabled=kind == "ours")
-            models[kind] = shard(copy.deepcopy(base), fully_shard, mesh)
+    models = {kind: sharded(kind, groups, args.dim, mesh) for kind in kinds}
     x = torch.randn(4, args.dim)
 
     def step(model):
-        def run():
-            model(x).sum().backward()
-            for p in model.parameters():
-                p.grad = None
-
-        return run
+        return stepper(model, x)
 
     for model in models.values():  # warm up: lazy init, recorded order
         for _ in range(3):
@@ -235,30 +241,18 @@ def fit_fixed_cost(args, counts: list[int]) -> None:
     hooks, end-of-backward bookkeeping, whatever runs once a step) and the cost per group."""
     import numpy as np
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
     from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from fsdp_compose import fully_shard
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     mesh = init_device_mesh("cpu", (args.world_size,))
     kinds = ["torch", "ours", "ours,nochk"]
-    models = {}
-    for groups in counts:
-        models["compute", groups] = build(groups, args.dim)
-        models["torch", groups] = shard(build(groups, args.dim), torch_fully_shard, mesh)
-        for kind in kinds[1:]:  # the check mode is read when fully_shard builds the groups
-            check_against_local_tag(enabled=kind == "ours")
-            models[kind, groups] = shard(build(groups, args.dim), fully_shard, mesh)
+    models = {
+        (kind, groups): sharded(kind, groups, args.dim, mesh) for groups in counts for kind in ["compute"] + kinds
+    }
     x = torch.randn(4, args.dim)
 
     def step(model):
-        def run():
-            model(x).sum().backward()
-            for p in model.parameters():
-                p.grad = None
-
-        return run
+        return stepper(model, x)
 
     clock = time.thread_time if args.cpu_time else time.perf_counter
     for model in models.values():

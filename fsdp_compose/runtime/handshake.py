@@ -154,7 +154,7 @@ def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
         rows = exchange.mine.new_empty(group.size() * 4)
         with python_free_tls():
             work = group.all_gather_single(rows, exchange.mine, ASYNC_ALL_GATHER)
-        wait_named(work, lambda: _what(exchange, describe))
+        wait_named(work, exchange.what)
     _raise_diverged(rows.view(-1, 4), group, describe)
 
 

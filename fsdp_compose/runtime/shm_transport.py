@@ -23,8 +23,9 @@ still read it, with one sync per collective.
 
 A contribution larger than the half makes a new segment (next *generation*, half = that
 contribution), up to ``FSDP_COMPOSE_SHM_CHUNK_BYTES`` (default 8 MiB, rank 0's value): a larger
-contribution is exchanged in chunks of that size, one sync each, through a private buffer (the
-gloo path's buffers). So a rank holds at most 2x min(chunk, its largest contribution). Peers learn the new
+contribution is exchanged in chunks of that size, one sync each (an all-gather row through a
+private buffer, the gloo path's; a reduce-scatter table block by block straight from the
+gradients). So a rank holds at most 2x min(chunk, its largest contribution). Peers learn the new
 generation from the sync payload and map it at once; an extra sync then tells the owner that
 everyone mapped it, and the owner unlinks the file: outside a growing collective no file of
 ours exists in ``/dev/shm`` (the mappings live on until dropped). Files are also unlinked at
