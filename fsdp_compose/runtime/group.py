@@ -165,7 +165,7 @@ class ParamGroup:
                 # later ranks' rows are padding, which no parameter reads: left unwritten (a
                 # post-forward slice keeps rows of other ranks, so it gets them all)
                 short = self.data_ranks < rows == self.world_size and self.post_forward is None
-                if short and type(gathered) is not GatheredRows:
+                if short:
                     targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
                     gathered = gathered[: self.data_ranks]
                 elif rows == self.world_size:  # the targets already are (world, padded bytes)

@@ -143,6 +143,10 @@ class GatheredRows:
     def stacked(self) -> torch.Tensor:
         return torch.stack(self.rows)
 
+    def __getitem__(self, ranks: slice) -> GatheredRows:
+        """The rows of ``ranks``, as slicing a (world, total) tensor's rows would give them."""
+        return GatheredRows(self.rows[ranks])
+
 
 class _Segment:
     """One mapped file: two halves of ``half`` bytes."""

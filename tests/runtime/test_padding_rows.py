@@ -3,12 +3,17 @@ leaves them unwritten and the reduce-scatter table fills them with one zero fill
 bytes sent are what they were (every rank's row, zeros where it holds no data) and training
 matches the unsharded model."""
 
+import os
+
+import pytest
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.tensor import Shard
 
 from fsdp_compose import fully_shard
+from fsdp_compose.runtime.params import ShardedParam
+from fsdp_compose.runtime.shm_transport import TRANSPORT_ENV
 from fsdp_compose.runtime.state import states_in
 from tests.harness import run_on_ranks
 from tests.test_edge_inputs import _parity
@@ -72,3 +77,40 @@ def test_rows_of_later_ranks_are_padding_and_training_matches():
         assert sent[7][2] == sent[7][3] == [0, 0, 0, 0, 0, 1, 1]
         # c: weight (1, 8) split on dim 1 (2 columns per rank), bias (1,) on rank 0 alone
         assert [row[2] for row in sent[5][1:]] == [0, 0, 0] and all(row[3:] == [1, 1] for row in sent[5])
+
+
+class Tiny(nn.Module):
+    """At 4 ranks both groups are short: ``a`` has rows on 2 ranks, the root's ``b`` on 3."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 2)
+        self.b = nn.Linear(2, 3)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _short_copy_out(transport: str) -> tuple[float, int]:
+    """Parity, and how many copy-outs wrote only the data ranks' rows."""
+    calls = [0]
+    original = ShardedParam.alloc_unsharded_rows
+
+    def counting(param, ranks):
+        calls[0] += 1
+        return original(param, ranks)
+
+    ShardedParam.alloc_unsharded_rows = counting
+    os.environ[TRANSPORT_ENV] = transport
+    try:
+        worst = _parity(Tiny, _step, shard=lambda m: (fully_shard(m.a), fully_shard(m)))
+    finally:
+        ShardedParam.alloc_unsharded_rows = original
+        del os.environ[TRANSPORT_ENV]
+    return worst, calls[0]
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_copy_out_writes_only_data_rows(transport):
+    # 3 steps x (2 groups' forward gathers + a's backward gather) x 2 params = 18 short copy-outs
+    assert run_on_ranks(4, _short_copy_out, transport) == [(pytest.approx(0, abs=1e-5), 18)] * 4
