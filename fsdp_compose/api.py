@@ -211,7 +211,7 @@ def fully_shard(
         if spmd_mesh is not None:
             spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
         layout = resolve_layout(param.dtype, device, mp_policy, offload_policy)
-        sp = make_sharded_param(shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd)
+        sp = make_sharded_param(shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd, mp_policy=mp_policy)
         if spmd_mesh is not None:
             sp.dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
         sharded.append(sp)

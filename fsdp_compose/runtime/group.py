@@ -39,9 +39,7 @@ class PostForwardShard:
         self.ranks = ranks
         self.process_group = process_group
         self.index = group.mesh.get_local_rank(group.mesh.ndim - 1) % ranks
-        self.layout = GatherLayout(
-            [size * group.world_size // ranks for size in group.layout.sizes], ranks
-        )
+        self.layout = GatherLayout([size * group.world_size // ranks for size in group.layout.sizes], ranks)
 
     def keep(self, header: torch.Tensor | None, targets: list[torch.Tensor]) -> torch.Tensor:
         pieces = [] if header is None else [header]
@@ -77,6 +75,7 @@ class ParamGroup:
         self.post_forward: PostForwardShard | None = None
         self._kept: torch.Tensor | None = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
+        self._extension_layout = False  # ``layout`` has a column per extension input (see start_unshard)
         # rows of the gathered (world, bytes) buffer that hold a parameter row: copy-out skips the rest
         self.data_ranks = max((p.data_ranks for p in params), default=0)
         self.stats = CommStats()
@@ -99,7 +98,7 @@ class ParamGroup:
         were adopted anew (``runtime/refresh.py``); the group must be sharded."""
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_plan = None
-        self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in self.params], self.world_size)
+        self.layout = GatherLayout([w for p in self.params for w in p.gather_widths()], self.world_size)
         if self.post_forward is not None:
             self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
         self._all_present.clear()
@@ -117,6 +116,7 @@ class ParamGroup:
             if not self.params:
                 self.is_unsharded = True
             return
+        extended = False
         with grad_off():
             if self._kept is not None:
                 kept, self._kept = self._kept, None
@@ -131,6 +131,10 @@ class ParamGroup:
                     pieces = [] if self.header is None else [self.header]
                     for p in self.params:
                         pieces.extend(p.gather_pieces())
+                        extended = extended or p.extension is not None
+                if extended or self._extension_layout:  # the protocol chose this step's inputs
+                    self._follow_extension_widths()
+                    self._extension_layout = extended
                 layout, rows = self.layout, self.world_size
                 nbytes = layout.total if self.header is None else layout.total + HEADER_BYTES  # the pieces' bytes
                 self._handshake(ALL_GATHER, nbytes, self.process_group)
@@ -138,12 +142,22 @@ class ParamGroup:
                     work, gathered = all_gather_flat(
                         pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, True, nbytes
                     )
-        finish = partial(self._finish_unshard, gathered, layout, rows)
+        finish = partial(self._finish_unshard, gathered, layout, rows, extended)
         pending = PendingCollective(work, finish, what=self._name_all_gather)
         if isinstance(gathered, GatheredRows):  # in shared memory the group's next collectives reuse: copy out now
             pending.finish()
         else:
             self.pending_unshard = pending
+
+    def _follow_extension_widths(self) -> None:
+        if self.post_forward is not None:
+            raise NotImplementedError(
+                f"{self.label}: reshard_after_forward=<int> is not supported for parameters that implement "
+                "the all-gather extension protocol (as in torch's FSDP2); pass True or False"
+            )
+        widths = [w for p in self.params for w in p.gather_widths()]
+        if widths != self.layout.sizes:
+            self.layout = GatherLayout(widths, self.world_size)
 
     def _name_all_gather(self) -> str:
         return f"the all-gather of {self.label}"
@@ -154,7 +168,9 @@ class ParamGroup:
     def _handshake(self, kind: int, nbytes: int, group) -> None:
         self.handshakes.check(kind, nbytes, group, self.describe)
 
-    def _finish_unshard(self, gathered: torch.Tensor | GatheredRows, layout: GatherLayout, rows: int) -> None:
+    def _finish_unshard(
+        self, gathered: torch.Tensor | GatheredRows, layout: GatherLayout, rows: int, extended: bool = False
+    ) -> None:
         if self.header is not None:
             if isinstance(gathered, GatheredRows):
                 gathered = gathered.stacked()
@@ -165,7 +181,9 @@ class ParamGroup:
                 # later ranks' rows are padding, which no parameter reads: left unwritten (a
                 # post-forward slice keeps rows of other ranks, so it gets them all)
                 short = self.data_ranks < rows == self.world_size and self.post_forward is None
-                if short:
+                if extended:  # one target per extension input, every row
+                    targets = [t for p in self.params for t in p.gather_targets()]
+                elif short:
                     targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
                     gathered = gathered[: self.data_ranks]
                 elif rows == self.world_size:  # the targets already are (world, padded bytes)
@@ -263,9 +281,7 @@ class ParamGroup:
                     pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
                 self._handshake(REDUCE_SCATTER, nbytes, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-                    work, reduced = reduce_scatter_rows(
-                        rows, group, self.stats, pre_divide, comm.reduce_scatter, tail
-                    )
+                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm.reduce_scatter, tail)
                 finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all_present)
                 self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
 

@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from .extensions import GatherExtension, has_protocol, is_wrapper_subclass
+
 
 @dataclass
 class ParamPlace:
@@ -133,6 +135,7 @@ class ShardedParam:
         layout: ParamLayout,
         shard_dim: int = 0,
         spmd: tuple[DeviceMesh, list[Placement]] | None = None,
+        mp_policy=None,
     ) -> None:
         if param.dim() == 0:
             raise ValueError(
@@ -179,12 +182,9 @@ class ShardedParam:
         self.comm_shape = torch.Size((size, *others))
         self.comm_local_shape = torch.Size((self.local_rows, *others))
         self.comm_local_strides = contiguous_strides(self.comm_local_shape)
-
-        with torch.no_grad():
-            local = source.detach().narrow(shard_dim, start, end - start).to(layout.storage_device)
-            local = local.clone(memory_format=torch.contiguous_format)
-            if layout.pin_memory:
-                local = local.pin_memory()
+        self.mp_policy = mp_policy  # passed to the all-gather extension protocol's five-argument form
+        check_subclass(source, fqn, self.tp_spec is not None, shard_dim)
+        local = self.shard_of(source)
         self.sharded_param = nn.Parameter(
             DTensor.from_local(
                 local,
@@ -209,6 +209,39 @@ class ShardedParam:
         self._pieces: list[torch.Tensor] = []
         # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (see stash_grad)
         self._accumulated_grad: torch.Tensor | None = None
+        # the all-gather extension protocol, for a local shard that implements it (``extensions.py``)
+        self.extension: GatherExtension | None = None
+        self._plain_source: torch.Tensor | None = None  # a local shard known not to implement it
+
+    @torch.no_grad()
+    def shard_of(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of ``full`` (laid out like the parameter) as a tensor of its own, where
+        shards live. Tensor subclasses are split with ``torch.chunk`` and copied into ``new_zeros``,
+        the operators torch's FSDP2 uses, so a subclass that implements only those shards too."""
+        start, end = self.row_range
+        device = self.layout.storage_device
+        if not is_wrapper_subclass(full):
+            local = full.detach().narrow(self.shard_dim, start, end - start).to(device)
+            local = local.clone(memory_format=torch.contiguous_format)
+        else:
+            try:
+                chunks = torch.chunk(full.detach(), self.world_size, dim=self.shard_dim)
+                piece = chunks[self.rank] if self.rank < len(chunks) else None
+                local = full.new_zeros(self.local_shape) if piece is None else piece.new_zeros(piece.shape)
+                if piece is not None:
+                    local.copy_(piece)
+                if local.device != device and device.type != "meta":
+                    local = local.to(device)
+            except Exception as error:  # noqa: BLE001 - any operator the subclass lacks
+                raise ValueError(
+                    f"parameter '{self.fqn}' is a {type(full).__name__}, which cannot be sharded: "
+                    f"{type(error).__name__}: {error}. Sharding a tensor subclass needs torch.chunk on dim "
+                    f"{self.shard_dim}, new_zeros and copy_ (as in torch's FSDP2); pass it in ignored_params "
+                    "to leave it unsharded"
+                ) from error
+        if self.layout.pin_memory:
+            local = local.pin_memory()
+        return local
 
     def _zeros(self, numel: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.layout.gather_dtype, device=device)
@@ -254,6 +287,7 @@ class ShardedParam:
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source, self._pieces = None, []
         self._accumulated_grad = None
+        self.extension, self._plain_source = None, None
 
     def gather_pieces(self) -> list[torch.Tensor]:
         """This rank's all-gather contribution as byte pieces to concatenate.
@@ -265,11 +299,47 @@ class ShardedParam:
         local = self.sharded_param._local_tensor
         if local is self._pieces_source:  # the shard the cached byte views were made of
             return self._pieces
+        if local is not self._plain_source:
+            extension = self._extension_for(local)
+            if extension is not None:
+                return extension.pieces(local, self.rows_per_rank, self.local_rows, self.layout.compute_device)
         if local.device != self.layout.compute_device or local.dtype != self.layout.gather_dtype:
             local = local.to(self.layout.compute_device, self.layout.gather_dtype, non_blocking=True)
             return self._as_pieces(local)
         self._pieces_source, self._pieces = local, self._as_pieces(local)
         return self._pieces
+
+    def _extension_for(self, local: torch.Tensor) -> GatherExtension | None:
+        """The protocol state for ``local`` if it implements the protocol (checked once per shard object:
+        ``to_empty`` or a replaced parameter brings a new one); else remembers ``local`` as plain."""
+        extension = self.extension
+        if extension is not None and extension.source is local:
+            return extension
+        protocol = has_protocol(local, f"the shard of parameter '{self.fqn}'")
+        if extension is not None or (protocol and self.unsharded_param is not None):
+            # the unsharded parameter was built for another shard object: build it anew
+            self.free_unsharded()
+            self.unsharded_param, self._gather_target, self._gather_storage = None, None, None
+            self.extension = None
+        if not protocol:
+            self._plain_source = local
+            return None
+        mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
+        outer = (self.unsharded_shape, contiguous_strides(self.unsharded_shape))
+        self.extension = GatherExtension(local, self.fqn, mesh, outer, self.places[0].module, self.mp_policy)
+        return self.extension
+
+    def gather_widths(self) -> list[int]:
+        """Bytes this rank sends per column of the group's all-gather: one per extension input."""
+        if self.extension is not None:
+            return self.extension.widths
+        return [self.padded_numel * self.gather_element_size]
+
+    def gather_targets(self) -> list[torch.Tensor]:
+        """The (world, width) copy-out targets of ``gather_widths``'s columns, given storage."""
+        if self.extension is not None:
+            return self.extension.targets(self.world_size, self.layout.compute_device)
+        return [self.alloc_unsharded()]
 
     def _as_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
         pieces = [local.reshape(-1).view(torch.uint8)]
@@ -289,7 +359,18 @@ class ShardedParam:
         return tensor
 
     def finish_copy_out(self) -> None:
-        """Called after the group's copy-out; the gather target already is the parameter here."""
+        """Called after the group's copy-out; the gather target already is the parameter here,
+        unless the extension protocol builds the parameter from what was gathered."""
+        extension = self.extension
+        if extension is None:
+            return
+        built = extension.post(self.unsharded_param, self.layout.gather_dtype)
+        if built is not None:
+            shape = self.unsharded_shape
+            tensor = torch.as_strided(built, shape, contiguous_strides(shape), 0)
+            self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
+            if self.requires_grad and self.on_grad_accumulated is not None:
+                self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
 
     def gathered_rows(self) -> torch.Tensor:
         """The gathered ``(world, padded bytes)`` rows while unsharded (what a post-forward slice keeps)."""
@@ -334,21 +415,32 @@ class ShardedParam:
         return kept[2]
 
     def free_unsharded(self) -> None:
-        if self._gather_storage is not None:
+        if self.extension is not None:
+            self.extension.free()
+        elif self._gather_storage is not None:
             self._gather_storage.resize_(0)
         elif self._gather_target is not None:
             self._gather_target.untyped_storage().resize_(0)
 
     def unsharded_nbytes(self) -> int:
         """Bytes the unsharded storage holds now (0 when resharded)."""
+        if self.extension is not None:
+            return self.extension.nbytes()
         if self._gather_target is None:
             return 0
         return self._gather_target.untyped_storage().nbytes()
 
     def _autograd_grad(self) -> torch.Tensor | None:
         grad = self.unsharded_param.grad if self.unsharded_param is not None else None
+        if grad is None or type(grad) is torch.Tensor:
+            return grad
         if isinstance(grad, DTensor):
             return grad_in_layout(grad, self.tp_spec, self.dp_dims)
+        if is_wrapper_subclass(grad):  # a subclass parameter's gradient is reduced as a plain tensor
+            plain = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+            with torch.no_grad():
+                plain.copy_(grad)
+            return plain
         return grad
 
     def unsharded_grad(self) -> torch.Tensor | None:
@@ -420,3 +512,24 @@ class ShardedParam:
             self.sharded_param.grad = like_sharded(self.sharded_param, local_grad)
         else:
             current._local_tensor.add_(local_grad.to(current._local_tensor.device))
+
+
+def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int) -> None:
+    """Refuse, naming the parameter, a tensor subclass the byte all-gather would get wrong: one
+    without the extension protocol (its bytes are not its values), or one with it where the
+    protocol's layout is not defined (tensor parallel, ``Shard(d)`` with ``d > 0``)."""
+    where = f"parameter '{fqn}'"
+    if not has_protocol(source, where):
+        if is_wrapper_subclass(source) and not isinstance(source, DTensor):
+            raise ValueError(
+                f"{where} is a tensor subclass ({type(source).__name__}) without fsdp_pre_all_gather and "
+                "fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. "
+                "Implement the all-gather extension protocol on it, or pass it in ignored_params"
+            )
+        return
+    if tensor_parallel or shard_dim:
+        layout = "tensor parallel" if tensor_parallel else f"Shard({shard_dim})"
+        raise NotImplementedError(
+            f"{where} implements the all-gather extension protocol, which fully_shard supports on dim-0 "
+            f"shards of a data-parallel mesh only, not with {layout}"
+        )

@@ -1,0 +1,166 @@
+"""torch FSDP2's all-gather extension protocol: a shard that decides what travels.
+
+A parameter whose local shard defines ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``
+(torchao's float8 weights, NF4 QLoRA bases, or a plain tensor with both methods attached)
+chooses its all-gather inputs: any number of tensors of any dtypes (float8 data and a scale,
+packed 4-bit data and its scalers) plus metadata. They travel as bytes inside the group's one
+all-gather, into output tensors kept across steps; ``fsdp_post_all_gather`` builds the unsharded
+parameter from them on the first unshard and refreshes it in place (``out=``) on later ones.
+Resharding frees the outputs' storage and that of the tensors post-all-gather said to free.
+Gradients stay plain tensors: they are reduced like any other parameter's.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
+
+
+def has_protocol(tensor: torch.Tensor, where: str) -> bool:
+    """Whether ``tensor`` implements the protocol; one method without the other is an error."""
+    pre, post = hasattr(tensor, PRE), hasattr(tensor, POST)
+    if pre != post:
+        have, missing = (PRE, POST) if pre else (POST, PRE)
+        raise ValueError(
+            f"{where} is a {type(tensor).__name__} that defines {have} but not {missing}; "
+            "the all-gather extension protocol needs both"
+        )
+    return pre
+
+
+def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
+    """A tensor subclass that intercepts operators (``__torch_dispatch__``): its bytes are not its values."""
+    return torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage()._cdata
+
+
+class GatherExtension:
+    """One parameter's protocol state: the inputs' shapes and dtypes, the persistent outputs and
+    what to free on reshard. ``source`` is the local shard it was made for."""
+
+    def __init__(
+        self,
+        source: torch.Tensor,
+        fqn: str,
+        mesh,
+        outer: tuple[torch.Size, tuple[int, ...]],
+        module: nn.Module,
+        mp_policy,
+    ) -> None:
+        self.source = source
+        self.fqn = fqn
+        self.mesh = mesh  # the shard mesh (1-D), as FSDP2 passes it
+        self.outer = outer  # the unsharded size and contiguous stride
+        self.module = module
+        self.mp_policy = mp_policy
+        self.takes_five = _arity(source, fqn) == 5
+        self.shapes: list[torch.Size] | None = None  # padded per-rank input shapes
+        self.dtypes: list[torch.dtype] = []
+        self.widths: list[int] = []  # bytes per rank of each input: the group's columns
+        self.metadata: Any = None
+        self.outputs: list[torch.Tensor] = []  # flat (world * numel) per input, storage freed when sharded
+        self.freed: list[tuple[torch.UntypedStorage, int]] = []  # other storages post-all-gather returned
+
+    def pieces(self, local: torch.Tensor, rows_per_rank: int, local_rows: int, device: torch.device) -> list:
+        """Call pre-all-gather; return this rank's byte pieces (inputs short of the padded row count
+        are padded with zero rows, so uneven shards need no self-padding subclass)."""
+        if local.device != device:  # CPU offload: the shard goes to the compute device first
+            local = local.to(device, non_blocking=True)
+        if self.takes_five:
+            inputs, self.metadata = getattr(local, PRE)(self.mesh, *self.outer, self.module, self.mp_policy)
+        else:
+            inputs, self.metadata = getattr(local, PRE)(self.mesh)
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        pieces, shapes = [], []
+        for t in inputs:
+            shape = t.shape
+            pieces.append(t.contiguous().view(-1).view(torch.uint8))
+            if len(shape) and shape[0] == local_rows < rows_per_rank:  # short on dim 0: pad it
+                row_bytes = math.prod(shape[1:]) * t.dtype.itemsize
+                pieces.append(torch.zeros((rows_per_rank - local_rows) * row_bytes, dtype=torch.uint8, device=t.device))
+                shape = torch.Size((rows_per_rank, *shape[1:]))
+            shapes.append(shape)
+        dtypes = [t.dtype for t in inputs]
+        if self.shapes is None:
+            self.shapes, self.dtypes = shapes, dtypes
+            self.widths = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)]
+        elif shapes != self.shapes or dtypes != self.dtypes:
+            raise ValueError(
+                f"parameter '{self.fqn}': {PRE} returned inputs of shapes {_listing(shapes, dtypes)} after "
+                f"{_listing(self.shapes, self.dtypes)} on an earlier step; they must stay the same"
+            )
+        return pieces
+
+    def targets(self, world: int, device: torch.device) -> list[torch.Tensor]:
+        """Give the outputs storage; return each as a (world, width) byte view with its own version
+        counter, so writing the gathered bytes does not bump what autograd saved."""
+        if not self.outputs:
+            self.outputs = [
+                torch.empty(world * math.prod(s), dtype=d, device=device) for s, d in zip(self.shapes, self.dtypes)
+            ]
+        views = []
+        for out, width in zip(self.outputs, self.widths):
+            storage = out.untyped_storage()
+            if storage.nbytes() != world * width:
+                storage.resize_(world * width)
+            views.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (world, width), (width, 1)))
+        for storage, nbytes in self.freed:
+            if storage.nbytes() != nbytes:
+                storage.resize_(nbytes)
+        return views
+
+    def post(self, unsharded: nn.Parameter | None, param_dtype: torch.dtype) -> torch.Tensor | None:
+        """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place."""
+        outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
+        post = getattr(self.source, POST)
+        metadata, self.metadata = self.metadata, None
+        if unsharded is not None:
+            post(outputs, metadata, param_dtype, out=unsharded)
+            return None
+        result = post(outputs, metadata, param_dtype)
+        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
+            raise ValueError(
+                f"parameter '{self.fqn}': {POST} must return (unsharded tensor, tensors to free on reshard) "
+                f"when called without out=, got {type(result).__name__}"
+            )
+        tensor, to_free = result
+        known = {_storage_id(out) for out in self.outputs}
+        for t in to_free:
+            if is_wrapper_subclass(t) or _storage_id(t) in known:
+                continue
+            known.add(_storage_id(t))
+            self.freed.append((t.untyped_storage(), t.untyped_storage().nbytes()))
+        return tensor
+
+    def free(self) -> None:
+        for out in self.outputs:
+            out.untyped_storage().resize_(0)
+        for storage, _ in self.freed:
+            storage.resize_(0)
+
+    def nbytes(self) -> int:
+        return sum(out.untyped_storage().nbytes() for out in self.outputs) + sum(s.nbytes() for s, _ in self.freed)
+
+
+def _arity(tensor: torch.Tensor, fqn: str) -> int:
+    count = len(inspect.signature(getattr(tensor, PRE)).parameters)
+    if count not in (1, 5):
+        raise ValueError(
+            f"parameter '{fqn}': {PRE} takes {count} arguments; it must take (mesh) or "
+            "(mesh, outer_size, outer_stride, module, mp_policy)"
+        )
+    return count
+
+
+def _listing(shapes, dtypes) -> str:
+    return ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in zip(shapes, dtypes))
