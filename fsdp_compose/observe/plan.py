@@ -70,7 +70,7 @@ def itemsize(dtype: torch.dtype) -> int:
 def sizes_of(state: GroupState) -> GroupSizes:
     group = state.group
     world, header = group.world_size, HEADER_BYTES if group.header is not None else 0
-    send = header + sum(p.padded_numel * p.gather_element_size for p in group.params)
+    send = header + sum(p.gather_nbytes() for p in group.params)
     kept = kept_gathered = 0
     if group.post_forward is not None and state.reshard_after_forward:
         ranks = group.post_forward.ranks
@@ -97,7 +97,7 @@ def sizes_of(state: GroupState) -> GroupSizes:
     return GroupSizes(
         send=send if group.params else 0,
         gathered=world * send if group.params else 0,
-        unsharded=sum(world * p.padded_numel * p.gather_element_size for p in group.params),
+        unsharded=sum(world * p.gather_nbytes() for p in group.params),
         kept=kept,
         kept_gathered=kept_gathered,
         row_copies=row_copies,

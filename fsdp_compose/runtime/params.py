@@ -335,6 +335,18 @@ class ShardedParam:
             return self.extension.widths
         return [self.padded_numel * self.gather_element_size]
 
+    def gather_nbytes(self) -> int:
+        """Bytes this rank sends per all-gather. Before the first unshard a shard that implements
+        the protocol is asked what it would send (no collective), so ``explain`` counts it."""
+        local = self.local_tensor()
+        fresh = self.extension is None and self.unsharded_param is None and local is not self._plain_source
+        if fresh and local.device.type != "meta":
+            with torch.no_grad():
+                extension = self._extension_for(local)
+                if extension is not None:
+                    extension.pieces(local, self.rows_per_rank, self.local_rows, self.layout.compute_device)
+        return sum(self.gather_widths())
+
     def gather_targets(self) -> list[torch.Tensor]:
         """The (world, width) copy-out targets of ``gather_widths``'s columns, given storage."""
         if self.extension is not None:

@@ -18,6 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..runtime.collectives import CommStats, GatherLayout, all_gather_flat
+from ..runtime.extensions import is_wrapper_subclass
 from ..runtime.params import ShardedParam
 from ..runtime.state import GroupState
 from .state_dict_hooks import local_part
@@ -96,7 +97,13 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, A
     out: dict[str, Any] = {}
     for items in by_group.values():
         unique = list({id(p): p for _, p in items}.values())
-        fulls = dict(zip(map(id, unique), _gather_group(unique, keep, to_all=not rank0_only)))
+        # a tensor subclass shard (NF4, float8 weights) is not its bytes: DTensor gathers it as the subclass
+        subclass = [p for p in unique if is_wrapper_subclass(p.local_tensor())]
+        plain = [p for p in unique if p not in subclass]
+        fulls = dict(zip(map(id, plain), _gather_group(plain, keep, to_all=not rank0_only))) if plain else {}
+        for p in subclass:
+            full = p.sharded_param.detach().full_tensor()  # a collective: every rank
+            fulls[id(p)] = full.to("cpu") if keep else None
         if keep:
             for key, p in items:
                 out[key] = fulls[id(p)]

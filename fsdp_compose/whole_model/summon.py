@@ -20,9 +20,20 @@ from .state_dict_hooks import local_part
 from .walk import group_states, reshard_idle
 
 
-def _expose(p: ShardedParam, offload_to_cpu: bool, grad: torch.Tensor | None) -> nn.Parameter:
+def _exact_full(p: ShardedParam) -> nn.Parameter | None:
+    """For a shard that implements the all-gather extension protocol, its own values gathered (a
+    collective: call on every rank): what the protocol gathers may be a lossy copy (float8)."""
+    if p.extension is None:
+        return None
+    full = p.sharded_param.detach().full_tensor()
+    return nn.Parameter(full, requires_grad=p.requires_grad)
+
+
+def _expose(
+    p: ShardedParam, offload_to_cpu: bool, grad: torch.Tensor | None, exact: nn.Parameter | None
+) -> nn.Parameter:
     """Register a full parameter for ``p`` on every module that holds it, and return it."""
-    full = p.unsharded_param
+    full = p.unsharded_param if exact is None else exact
     if offload_to_cpu and full.device.type != "cpu":
         full = nn.Parameter(full.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
     if grad is not None:
@@ -75,11 +86,12 @@ def summon_full_params(
                 for p in state.group.params
             ]
             state.group.unshard()
+            exact = [_exact_full(p) for p in state.group.params]
             if not keep:
                 state.group.reshard()
                 continue
-            for p, grad in zip(state.group.params, grads):
-                full = _expose(p, offload_to_cpu, grad)
+            for p, grad, full in zip(state.group.params, grads, exact):
+                full = _expose(p, offload_to_cpu, grad, full)
                 if full is not p.unsharded_param:
                     p.free_unsharded()  # the modules hold CPU copies now
                 exposed.append((p, full))

@@ -434,3 +434,58 @@ def test_errors_name_the_parameter(single_rank_group):
         str(info.value),
         """parameter 'weight' is a tensor subclass (TwoTensor) without fsdp_pre_all_gather and fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. Implement the all-gather extension protocol on it, or pass it in ignored_params""",
     )
+
+
+# ----- whole-model operations on protocol shards ---------------------------------------------
+def _whole_model_operations(tmp: str):
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_compose import clip_grad_norm_, explain, full_state_dict, summon_full_params
+
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[Float8RefMLP() for _ in range(2)])
+    model = nn.Sequential(*[MLP() for _ in range(2)])
+    model.load_state_dict(ref.state_dict())
+    for mlp in model:
+        fully_shard(mlp)
+    fully_shard(model)
+    _attach_float8_gather(model, [])
+    plan = explain(model)  # before any step: the protocol is asked what it would send
+    _train(model, ref, 2, _batch)
+    result = {"plan": [(g.name, g.all_gathers, g.all_gather_bytes) for g in plan.groups]}
+    # full state dict and summon give the fp32 masters, not the float8 copies the protocol gathers
+    full = full_state_dict(model, rank0_only=False)
+    result["full_sd"] = max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    before = [p.to_local().clone() for p in model.parameters()]
+    with summon_full_params(model, writeback=True):
+        result["summon"] = (model[0].inp.weight - ref[0].inp.weight).abs().max().item()
+    result["writeback_kept"] = all(torch.equal(b, p.to_local()) for b, p in zip(before, model.parameters()))
+    # gradient clipping over plain gradient shards: the reference's norm
+    x = _batch(5, dist.get_world_size())
+    model(x.chunk(dist.get_world_size())[dist.get_rank()]).sum().div(x.shape[0] // dist.get_world_size()).backward()
+    ref(x).sum().div(x.shape[0]).backward()
+    norm = clip_grad_norm_(model.parameters(), 1e9)
+    result["norm"] = (norm - torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)).abs().item()
+    # DCP: save, load into a fresh model, same shards
+    dcp.save({"model": model.state_dict()}, checkpoint_id=tmp)
+    fresh = nn.Sequential(*[MLP() for _ in range(2)])
+    for mlp in fresh:
+        fully_shard(mlp)
+    fully_shard(fresh)
+    _attach_float8_gather(fresh, [])
+    state = {"model": fresh.state_dict()}
+    dcp.load(state, checkpoint_id=tmp)
+    fresh.load_state_dict(state["model"])
+    result["dcp"] = all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(fresh.parameters(), model.parameters()))
+    return result
+
+
+def test_whole_model_operations_see_the_masters(tmp_path):
+    for r in run_on_ranks(2, _whole_model_operations, str(tmp_path)):
+        world, rows_inp, rows_out = 2, 4 * DIM, DIM
+        # each block gathers both weights in float8, rows padded, plus a 4-byte scale each
+        per_rank = (-(-rows_inp // world)) * DIM + (-(-rows_out // world)) * 4 * DIM + 8
+        blocks = [(gathers, nbytes) for name, gathers, nbytes in r["plan"] if name != "<root>"]
+        assert len(blocks) == 2 and all(nbytes == gathers * world * per_rank for gathers, nbytes in blocks), r["plan"]
+        assert r["full_sd"] <= 1e-5 and r["summon"] <= 1e-5 and r["norm"] <= 1e-5, r
+        assert r["writeback_kept"] and r["dcp"], r
