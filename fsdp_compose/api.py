@@ -54,6 +54,25 @@ def _managed_params(
     return places, names
 
 
+def _move_own_buffers(modules: list[nn.Module], state: GroupState, device: torch.device) -> None:
+    """Move the buffers of the call's subtrees to ``device``, as torch's FSDP2 does.
+
+    Modules under a nested ``fully_shard`` are skipped (that call moved their buffers), and so
+    are meta buffers: ``to_empty`` materializes them (torchtitan's RoPE caches).
+    """
+    seen: set[nn.Module] = set()
+    stack = list(modules)
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        for name, buffer in current._buffers.items():
+            if buffer is not None and not buffer.is_meta and buffer.device != device:
+                current._buffers[name] = buffer.to(device)
+        stack.extend(child for child in current.children() if state_of(child) in (None, state))
+
+
 def _raise_owned(
     module: nn.Module, fqn: str, owner: GroupState, param: nn.Parameter, user: nn.Module, user_path: str
 ) -> None:
@@ -235,12 +254,10 @@ def fully_shard(
         register_owner(original, state)
         register_owner(sp.sharded_param, state)
     register_state(state)
+    if device.type != "meta":
+        _move_own_buffers(modules, state, device)
     for m in modules:
         register_state_dict_hooks(state, m)
-        for buffer_owner in m.modules():
-            for name, buffer in buffer_owner._buffers.items():
-                if buffer is not None and buffer.device != device and device.type != "meta":
-                    buffer_owner._buffers[name] = buffer.to(device)
         m.register_forward_pre_hook(partial(pre_forward, state), prepend=True, with_kwargs=True)
         m.register_forward_hook(partial(post_forward, state))
         become_fsdp_module(m)

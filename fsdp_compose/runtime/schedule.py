@@ -1,9 +1,11 @@
 """Execution order and prefetch targets.
 
-The forward order is recorded every cycle (one cycle ends at each end of backward); the first
-complete cycle's order is kept as the reference that forward prefetch follows, and a later
-cycle that differs is reported once. Backward prefetch follows the current cycle's
-post-forward order in reverse, which is the order backward reaches the groups.
+The forward order is recorded over a whole step: a step ends at the root's next forward after
+a backward, so a step with several backward passes (a chunked loss, pipeline micro-batches) is
+one cycle. The first step's order is the reference that forward prefetch follows (taken at
+each end of backward while the first step runs, final when it ends); a later step whose order
+differs is reported once. Backward prefetch follows the post-forward order recorded since the
+previous backward, in reverse, which is the order backward reaches the groups.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from .state import GroupState, RootState
 
 
 def record_pre_forward(root: RootState, state: GroupState) -> None:
+    if state is root.root_state and root.backward_in_step:
+        end_step(root)
     if state not in root.forward_seen:
         root.forward_seen.add(state)
         root.forward_order.append(state)
@@ -44,13 +48,24 @@ def backward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupS
     return root.post_forward_order[max(0, index - root.prefetch_limit) : index][::-1]
 
 
-def end_cycle(root: RootState) -> None:
-    """Keep the first cycle's order as the reference; warn once if a later one differs."""
+def end_backward(root: RootState) -> None:
+    """A backward pass ended; the step goes on until the root's next forward (more backward
+    passes may follow). While the first step runs, its order so far is the reference."""
+    root.backward_in_step = True
+    if not root.reference_final and root.forward_order:
+        _set_reference(root, root.forward_order)
+    root.post_forward_order = []
+    root.post_forward_index = {}
+
+
+def end_step(root: RootState) -> None:
+    """Keep the first step's order as the reference; warn once if a later step's differs."""
     order = root.forward_order
+    root.backward_in_step = False
     if order:
-        if root.reference_forward_order is None:
-            root.reference_forward_order = list(order)
-            root.reference_index = {s: i for i, s in enumerate(order)}
+        if not root.reference_final:
+            _set_reference(root, order)
+            root.reference_final = True
         elif order != root.reference_forward_order and not root.warned_order_change:
             root.warned_order_change = True
             first = next(
@@ -66,8 +81,11 @@ def end_cycle(root: RootState) -> None:
             )
     root.forward_order = []
     root.forward_seen = set()
-    root.post_forward_order = []
-    root.post_forward_index = {}
+
+
+def _set_reference(root: RootState, order: list[GroupState]) -> None:
+    root.reference_forward_order = list(order)
+    root.reference_index = {s: i for i, s in enumerate(order)}
 
 
 def _name(order: list[GroupState], index: int) -> str:

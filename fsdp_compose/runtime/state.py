@@ -82,6 +82,8 @@ class RootState:
     post_forward_index: dict[GroupState, int] = field(default_factory=dict)  # position in post_forward_order
     reference_forward_order: list[GroupState] | None = None
     reference_index: dict[GroupState, int] = field(default_factory=dict)
+    reference_final: bool = False  # the first step ended: later steps are compared with its order
+    backward_in_step: bool = False  # a backward ended since the step began; the root's next forward ends the step
     warned_order_change: bool = False
 
 

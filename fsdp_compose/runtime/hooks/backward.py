@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..schedule import backward_prefetch_targets, end_cycle
+from ..schedule import backward_prefetch_targets, end_backward
 from ..state import GroupState, RootState
 
 
@@ -137,5 +137,5 @@ def end_of_backward(root: RootState) -> None:
         root.reducing.clear()
     for state in root.states:
         state.reset_backward()
-    end_cycle(root)
+    end_backward(root)
     root.in_backward = False
