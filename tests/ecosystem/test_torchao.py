@@ -25,8 +25,7 @@ from tests.models import local_slice, mean_across_ranks
 
 pytest.importorskip("torchao")
 
-OURS_PENDING = pytest.mark.xfail(strict=False, reason="all-gather extension protocol not implemented yet")
-IMPLS = ["torch", pytest.param("ours", marks=OURS_PENDING)]
+IMPLS = ["torch", "ours"]
 VOCAB, SEQ, PER_RANK, STEPS = 48, 8, 2, 4
 
 
