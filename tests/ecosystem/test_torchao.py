@@ -366,3 +366,29 @@ def test_qlora_nf4_parity(impl: str, variant: str) -> None:
         assert r["hook_calls"] == [8] * STEPS, r  # 4 NF4 weights, each gathered in forward and backward
         assert r["weight_in_forward"] == "NF4Tensor(256, 128)", r
         assert r["sharded_weight"] == "NF4Tensor", r
+
+
+def _float8_checkpoint(path: str, save: bool) -> dict[str, torch.Tensor]:
+    """Save (at one world size) or load (at another) a float8 model's DCP checkpoint; its full weights."""
+    import torch.distributed.checkpoint as dcp
+
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0 if save else 1)
+    model = _float8_model(48, 96)
+    shard_blocks_then_root(model, fully_shard)
+    state = {"model": model.state_dict()}
+    if save:
+        dcp.save(state, checkpoint_id=path)
+    else:
+        dcp.load(state, checkpoint_id=path)
+        model.load_state_dict(state["model"])
+    return {key: full_tensor(value) for key, value in model.state_dict().items()}
+
+
+def test_float8_checkpoint_reshards_from_2_to_3_ranks(tmp_path) -> None:
+    """DCP saves the float8 weight wrappers' shards at 2 ranks and loads them at 3, exactly."""
+    saved = run_on_ranks(2, _float8_checkpoint, str(tmp_path), True)[0]
+    loaded = run_on_ranks(3, _float8_checkpoint, str(tmp_path), False)[0]
+    assert saved.keys() == loaded.keys()
+    assert all(torch.equal(saved[key], loaded[key]) for key in saved)
