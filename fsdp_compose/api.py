@@ -125,9 +125,44 @@ def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, o
             f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): pass a 1-D mesh (shard) or a 2-D mesh "
             "(replicate, shard) for HSDP; for tensor parallelism pass the data-parallel sub-mesh"
         )
+    if mesh.ndim == 2:
+        _check_hsdp_roles(name, mesh.mesh_dim_names)
     for option, (value, default) in options.items():
         if value != default:
             raise NotImplementedError(f"fully_shard({name}, {option}=...): not implemented yet")
+
+
+_NOT_DATA_PARALLEL = ("tp", "cp", "pp", "ep", "tensor", "context", "pipeline", "expert")
+
+
+def _check_hsdp_roles(name: str, dim_names: tuple[str, ...] | None) -> None:
+    """A 2-D mesh is read as (replicate, shard) by position; refuse one whose names don't say so.
+
+    A mesh built in the other order, or the full (dp, tp) mesh passed instead of its dp dim, would
+    otherwise run HSDP on the wrong axes without a word. torch's FSDP2 also requires dim names."""
+    example = "init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
+    if dim_names is None:
+        raise MeshRoleError(
+            f"fully_shard({name}, mesh=<2-D mesh without dim names>): a 2-D mesh is HSDP, read as "
+            f"(replicate, shard) by position; name its dims so the order is explicit: {example}"
+        )
+    first, last = (n.lower() for n in dim_names)
+    reversed_roles = "replicate" in last or ("shard" in first and "replicate" not in first)
+    other_parallelism = any(last == tag or last.startswith(tag + "_") for tag in _NOT_DATA_PARALLEL)
+    if reversed_roles or other_parallelism:
+        hint = (
+            "for tensor (or other) parallelism pass the data-parallel sub-mesh, e.g. mesh['dp']"
+            if other_parallelism
+            else f"build it in that order: {example}"
+        )
+        raise MeshRoleError(
+            f"fully_shard({name}, mesh=<2-D mesh with dims {dim_names}>): a 2-D mesh is HSDP, read as "
+            f"(replicate, shard) by position, but the names say otherwise; {hint}"
+        )
+
+
+class MeshRoleError(ValueError, AssertionError):
+    """A mesh whose dims' roles are ambiguous: a ``ValueError``, and the ``AssertionError`` torch's FSDP2 raises."""
 
 
 def _check_module(module: nn.Module) -> None:

@@ -109,3 +109,21 @@ def test_tensor_parallel_parameter_on_an_unrelated_mesh():
         message(lambda: fully_shard(layer, mesh=data_parallel["dp"])),
         """ValueError: parameter 'weight' is a DTensor on mesh DeviceMesh((tp2=1), 'cpu', stride=((),)); fully_shard can shard it further only when it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])""",
     )
+
+
+def test_two_dimensional_mesh_needs_named_roles():
+    unnamed = init_device_mesh("cpu", (1, 1))
+    assert_expected_inline(
+        message(lambda: fully_shard(Block(), mesh=unnamed)),
+        """MeshRoleError: fully_shard(Block, mesh=<2-D mesh without dim names>): a 2-D mesh is HSDP, read as (replicate, shard) by position; name its dims so the order is explicit: init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard'))""",
+    )
+    backwards = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_shard", "dp_replicate"))
+    assert_expected_inline(
+        message(lambda: fully_shard(Block(), mesh=backwards)),
+        """MeshRoleError: fully_shard(Block, mesh=<2-D mesh with dims ('dp_shard', 'dp_replicate')>): a 2-D mesh is HSDP, read as (replicate, shard) by position, but the names say otherwise; build it in that order: init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard'))""",
+    )
+    tensor_parallel = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    assert_expected_inline(
+        message(lambda: fully_shard(Block(), mesh=tensor_parallel)),
+        """MeshRoleError: fully_shard(Block, mesh=<2-D mesh with dims ('dp', 'tp')>): a 2-D mesh is HSDP, read as (replicate, shard) by position, but the names say otherwise; for tensor (or other) parallelism pass the data-parallel sub-mesh, e.g. mesh['dp']""",
+    )

@@ -23,7 +23,7 @@ BF16_FP32 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.
 def _accumulated_grads(mode: str, offload: bool, hsdp: bool) -> dict:
     """Relative difference between accumulating without sync (``mode``) and syncing every time."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (2, world_size // 2)) if hsdp else None
+    mesh = init_device_mesh("cpu", (2, world_size // 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     torch.manual_seed(0)
     base = TinyLM(n_blocks=2)
     policy = CPUOffloadPolicy() if offload else OffloadPolicy()
