@@ -123,7 +123,9 @@ class GatherExtension:
         """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place."""
         outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
         post = getattr(self.source, POST)
-        metadata, self.metadata = self.metadata, None
+        # kept until the next pre-all-gather: after a forward with reshard_after_forward=<int> the
+        # backward re-gathers the same inputs within fewer ranks, and post-all-gather needs it again
+        metadata = self.metadata
         if unsharded is not None:
             post(outputs, metadata, param_dtype, out=unsharded)
             return None

@@ -120,6 +120,7 @@ class ParamGroup:
         with grad_off():
             if self._kept is not None:
                 kept, self._kept = self._kept, None
+                extended = self._extension_layout  # post-all-gather runs again on the small group's gather
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
                 self._handshake(ALL_GATHER, kept.numel(), group)
                 with labelled("all_gather", self):
@@ -150,14 +151,11 @@ class ParamGroup:
             self.pending_unshard = pending
 
     def _follow_extension_widths(self) -> None:
-        if self.post_forward is not None:
-            raise NotImplementedError(
-                f"{self.label}: reshard_after_forward=<int> is not supported for parameters that implement "
-                "the all-gather extension protocol (as in torch's FSDP2); pass True or False"
-            )
         widths = [w for p in self.params for w in p.gather_widths()]
         if widths != self.layout.sizes:
             self.layout = GatherLayout(widths, self.world_size)
+            if self.post_forward is not None:  # its slices follow the columns
+                self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
 
     def _name_all_gather(self) -> str:
         return f"the all-gather of {self.label}"
@@ -183,6 +181,8 @@ class ParamGroup:
                 short = self.data_ranks < rows == self.world_size and self.post_forward is None
                 if extended:  # one target per extension input, every row
                     targets = [t for p in self.params for t in p.gather_targets()]
+                    if rows != self.world_size:
+                        targets = [t.view(rows, -1) for t in targets]
                 elif short:
                     targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
                     gathered = gathered[: self.data_ranks]
@@ -218,7 +218,7 @@ class ParamGroup:
             return
         if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
             with grad_off():
-                self._kept = self.post_forward.keep(self.header, [p.gathered_rows() for p in self.params])
+                self._kept = self.post_forward.keep(self.header, [t for p in self.params for t in p.gathered_rows()])
         else:
             self._kept = None
         for p in self.params:

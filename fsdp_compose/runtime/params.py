@@ -384,9 +384,9 @@ class ShardedParam:
             if self.requires_grad and self.on_grad_accumulated is not None:
                 self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
 
-    def gathered_rows(self) -> torch.Tensor:
-        """The gathered ``(world, padded bytes)`` rows while unsharded (what a post-forward slice keeps)."""
-        return self.alloc_unsharded()
+    def gathered_rows(self) -> list[torch.Tensor]:
+        """The gathered ``(world, bytes)`` columns while unsharded (what a post-forward slice keeps)."""
+        return self.gather_targets()
 
     # ----- unsharded side ---------------------------------------------------------------
     def _create_unsharded(self) -> None:

@@ -82,10 +82,10 @@ class DimShardedParam(ShardedParam):
         self._unsharded_data.copy_(self.from_comm(self._staged()))
         self._gather_target.untyped_storage().resize_(0)  # staging is only needed during copy-out
 
-    def gathered_rows(self) -> torch.Tensor:
+    def gathered_rows(self) -> list[torch.Tensor]:
         target = self.alloc_unsharded()
         self._staged().copy_(self.to_comm(self._unsharded_data))
-        return target
+        return [target]
 
     def free_unsharded(self) -> None:
         super().free_unsharded()

@@ -141,7 +141,8 @@ def _two_tensor_parity(version: int, reshard_after_forward: bool, mp: bool = Fal
         _train(model, ref, 4, _batch)
     finally:
         TwoTensor.fsdp_pre_all_gather = pre
-    assert calls["pre"] >= 4 * 3, calls  # every unshard asked the subclass what to send
+    # every full unshard asked the subclass what to send (a post-forward slice re-gathers without it)
+    assert calls["pre"] >= 4 * 3, calls
     return calls["pre"]
 
 
@@ -160,6 +161,14 @@ def test_two_tensor_parity(version, reshard_after_forward):
 
 def test_two_tensor_uneven_at_3_ranks_with_offload():
     run_on_ranks(3, _two_tensor_parity, 2, True, offload=True)
+
+
+def test_two_tensor_reshard_to_2_of_4_ranks():
+    """reshard_after_forward=2 (torch's FSDP2 refuses it for extensions): forward keeps a 2-way slice of
+    what the protocol gathered, backward re-gathers it within 2 ranks and calls post-all-gather again."""
+    # pre-all-gather ran in forward only: 4 steps x 3 blocks x 2 weights (resharding to all ranks: twice that)
+    assert run_on_ranks(4, _two_tensor_parity, 1, 2) == [4 * 3 * 2] * 4
+    assert run_on_ranks(2, _two_tensor_parity, 1, True) == [4 * 3 * 2 * 2] * 2
 
 
 # ----- a subclass that pads its own inputs (five-argument form), uneven at 3 ranks ---------------
