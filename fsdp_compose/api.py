@@ -15,7 +15,7 @@ from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
 from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
-from .runtime.hooks.forward import post_forward, pre_forward
+from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.params import ParamPlace
 from .runtime.placement import make_sharded_param, resolve_shard_dim
 from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
@@ -293,8 +293,8 @@ def fully_shard(
         _move_own_buffers(modules, state, device)
     for m in modules:
         register_state_dict_hooks(state, m)
-        m.register_forward_pre_hook(partial(pre_forward, state), prepend=True, with_kwargs=True)
-        m.register_forward_hook(partial(post_forward, state))
+        m.register_forward_pre_hook(partial(pre_forward_hook, state), prepend=True, with_kwargs=True)
+        m.register_forward_hook(partial(post_forward_hook, state))
         become_fsdp_module(m)
     return module_list
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from .module_knobs import FSDPModuleKnobs
 from .runtime.hooks.call import call_sharded, sole_hooks_state
+from .runtime.hooks.not_traced import dynamo_frame_callback, frame_not_traced
 from .runtime.refresh import refresh_params
 from .runtime.state import GroupState, class_name, interface_classes, state_of, states_in
 
@@ -50,10 +51,12 @@ class FSDPModule(FSDPModuleKnobs):
         instance.__init__(*args, **kwargs)
         return instance
 
+    @frame_not_traced
     def _call_impl(self, *args, **kwargs):
         """``nn.Module``'s call, minus its general hook loop when only fully_shard's hooks would run
-        (``runtime/hooks/call.py``)."""
-        state = sole_hooks_state(self)
+        (``runtime/hooks/call.py``); inside a torch.compile region always the general loop, whose
+        hooks dynamo does not trace (``runtime/hooks/not_traced.py``)."""
+        state = sole_hooks_state(self) if dynamo_frame_callback() is None else None
         if state is None:
             return super()._call_impl(*args, **kwargs)
         return call_sharded(self, state, args, kwargs)

@@ -5,7 +5,9 @@ hook tables, the with-kwargs and always-called bookkeeping): about 2 µs per cal
 calling the two hooks and ``forward`` directly. When fully_shard's pre- and post-forward hooks
 are the module's only hooks and no global module hooks exist, ``call_sharded`` runs exactly
 what that loop would: the pre-forward hook, ``forward`` on its arguments, the post-forward hook
-on its output. Anything else (a user's hook, a global hook, JIT tracing) takes ``_call_impl``.
+on its output. Anything else (a user's hook, a global hook, JIT tracing) takes ``_call_impl``,
+and so does every call inside a torch.compile region (``FSDPModule._call_impl``), where the
+registered hooks keep dynamo out (``not_traced.py``); here the undecorated hooks run.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 from torch.nn.modules import module as _nn_module
 
 from ..state import GroupState
-from .forward import post_forward, pre_forward
+from .forward import post_forward, post_forward_hook, pre_forward, pre_forward_hook
 
 # the dicts torch's register_module_*_hook functions fill in place
 _GLOBAL_HOOKS = (
@@ -38,7 +40,7 @@ def sole_hooks_state(module: nn.Module) -> GroupState | None:
     if any(_GLOBAL_HOOKS) or _get_tracing_state() is not None:
         return None
     pre, post = next(iter(pre_hooks.values())), next(iter(post_hooks.values()))
-    if not (_is_partial_of(pre, pre_forward) and _is_partial_of(post, post_forward)):
+    if not (_is_partial_of(pre, pre_forward_hook) and _is_partial_of(post, post_forward_hook)):
         return None
     state = pre.args[0]
     return state if post.args[0] is state else None

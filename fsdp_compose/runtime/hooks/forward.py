@@ -13,6 +13,7 @@ from ..refresh import refresh_params
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
 from ..state import GroupState, RootState, class_name, states_in
 from .backward import pre_backward, signal_post_backward, unshard_with_prefetch
+from .not_traced import not_traced
 
 
 def lazy_init(state: GroupState, module: nn.Module) -> None:
@@ -149,3 +150,9 @@ def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
         node.register_prehook(lambda grads, state=state: pre_backward(state))
     else:
         x.register_hook(lambda grad, state=state: pre_backward(state))
+
+
+# what fully_shard registers as the module's hooks: nn.Module's general hook loop calls them, also
+# inside a torch.compile region; the eager fast path (call.py) calls the undecorated functions
+pre_forward_hook = not_traced(pre_forward)
+post_forward_hook = not_traced(post_forward)
