@@ -12,6 +12,7 @@ from torch import nn
 
 from ..policies import MixedPrecisionPolicy
 from .group import ParamGroup
+from .handshake_ledger import Ledgers
 from .uids import rank_key
 
 
@@ -83,6 +84,8 @@ class RootState:
     reference_forward_order: list[GroupState] | None = None
     reference_index: dict[GroupState, int] = field(default_factory=dict)
     warned_order_change: bool = False
+    # handshakes on backends other than gloo, judged when each backward ends (handshake_ledger.py)
+    ledgers: Ledgers = field(default_factory=Ledgers)
 
 
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed
