@@ -84,26 +84,28 @@ def stepper(model, x: torch.Tensor):
 def handshake_on(backend: str):
     """Let our handshake pass on the null backend, which leaves every output as it was.
 
-    torch's fake all-gather writes this rank's input into every rank's slot, so a handshake's
-    gathered entries equal the expected ones; on the null backend the buffer keeps what it
-    held, so the all-gather form (groups of up to 8 ranks) gets it set to the expected
-    entries first (one 32-bytes-per-rank copy, as the all-reduce form does every time; that
-    form needs nothing: it fills its buffer with the expected values itself)."""
-    import fsdp_compose.runtime.handshake as handshake_module
+    On a backend other than gloo each handshake's collective writes a row of a ledger judged
+    when backward ends (runtime/handshake_ledger.py). torch's fake all-gather writes this rank's
+    input into every rank's slot, so the rows agree; on the null backend the row keeps what it
+    held, so the all-gather form (groups of up to 8 ranks) gets it set to the expected entries
+    (one 32-bytes-per-rank copy, as the all-reduce form does every time; that form needs nothing:
+    it fills its row with this rank's entry itself)."""
+    from fsdp_compose.runtime.handshake_ledger import Ledger
 
-    original = handshake_module.run
+    original = Ledger.record
     if backend == null_backend.NAME:
 
-        def prefilled(exchange, group, describe):
-            if not exchange.reduce:
-                exchange.received.copy_(exchange.expected)
-            original(exchange, group, describe)
+        def prefilled(ledger, entry, describe):
+            work = original(ledger, entry, describe)
+            if ledger.gathers:
+                ledger.rows[ledger.current][ledger.used - 1].copy_(entry.mine.repeat(ledger.world))
+            return work
 
-        handshake_module.run = prefilled
+        Ledger.record = prefilled
     try:
         yield
     finally:
-        handshake_module.run = original
+        Ledger.record = original
 
 
 def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = False, backend: str = "fake") -> dict:

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .runtime.uids import rank_key
 
-_rank_caches: dict[tuple[int, int], tuple[object, dict]] = {}
+_rank_caches: dict[tuple[int, int], tuple[object, object, dict]] = {}
 
 
 def _rank_cache() -> dict:
@@ -18,14 +18,16 @@ def _rank_cache() -> dict:
     of one process, and a mesh or subgroup made by one rank is wrong on another (a mesh
     remembers the rank and thread that made it; a subgroup is that rank's block). Emptied
     when the default process group is replaced, so nothing made for a destroyed world is
-    reused.
+    reused, and when the active fake tensor mode changes (a mesh made under one holds its
+    tensors, which another fake mode, or real code, cannot use).
     """
     world = dist.group.WORLD
+    fake_mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     key = rank_key()
     entry = _rank_caches.get(key)
-    if entry is None or entry[0] is not world:
-        entry = _rank_caches[key] = (world, {})
-    return entry[1]
+    if entry is None or entry[0] is not world or entry[1] is not fake_mode:
+        entry = _rank_caches[key] = (world, fake_mode, {})
+    return entry[2]
 
 
 def default_device_type() -> str:

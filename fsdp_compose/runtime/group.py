@@ -6,6 +6,7 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import (
@@ -63,6 +64,8 @@ class ParamGroup:
         self.mesh = mesh
         self.device = device
         self._all_present: dict = {}  # reduce dtype -> its cached flag rows (and tail)
+        self._flag_reads: dict[object, bool] = {}  # reduce process group -> whether its flags are read back
+        self._divisors: dict[float, torch.Tensor] = {}  # see _divisor
         # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
         # all-reduce of the reduced shards across the replicate dim
         self.world_size = mesh.size(mesh.ndim - 1)
@@ -282,7 +285,8 @@ class ParamGroup:
                 self._handshake(REDUCE_SCATTER, nbytes, group)
                 with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
                     work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm.reduce_scatter, tail)
-                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, all_present)
+                accumulate_all = all_present or not self._reads_flags(group)
+                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, accumulate_all)
                 self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
 
     def _flag_rows(
@@ -312,10 +316,13 @@ class ParamGroup:
         pre_divided: float,
         all_reduce: bool,
         factor: float,
-        all_present: bool = False,
+        accumulate_all: bool = False,
     ) -> None:
-        """``all_present``: this rank sent a gradient for every parameter, so every summed flag
-        is positive (flags are >= 0 on every rank) and reading them back can be skipped."""
+        """``accumulate_all``: every parameter's reduced shard goes into ``.grad`` without reading
+        the summed flags: this rank sent a gradient for every parameter (so every flag is
+        positive), or the backend is not gloo, where the read would be a host sync per
+        reduction; a parameter no rank had a gradient for then gets zeros (what every rank sent)
+        instead of keeping ``.grad`` as it was."""
         if self.replicate_group is not None:
             earlier = self._partial.pop(reduced.dtype, None)
             if earlier is not None:
@@ -325,16 +332,38 @@ class ParamGroup:
                 return
             with labelled("all_reduce", self):
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
-        received = None if all_present else reduced[-len(params) :].tolist()
+        received = None if accumulate_all else reduced[-len(params) :].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
         if factor != pre_divided:
-            reduced.div_(_divisor(factor / pre_divided, reduced.dtype))
+            reduced.div_(self._divisor(factor / pre_divided, reduced.dtype))
         offset = reduced.storage_offset()
         for i, p in enumerate(params):
             if received is None or received[i] > 0:  # this rank's shard, shaped (one view op)
                 p.accumulate_grad(reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
             offset += p.padded_numel
+
+    def _reads_flags(self, group) -> bool:
+        """Whether reductions on ``group`` read the has-gradient flags back: on gloo only (looked up once per group)."""
+        reads = self._flag_reads.get(group)
+        if reads is None:
+            reads = self._flag_reads[group] = group is None or dist.get_backend(group) == "gloo"
+        return reads
+
+    def _divisor(self, value: float, dtype: torch.dtype) -> float | torch.Tensor:
+        """``value`` as a 0-dim fp32 CPU tensor for fp32 gradients, else as it is.
+
+        Dividing by a Python number first wraps it into a tensor (about 1 µs per call); a 0-dim CPU
+        tensor takes the same scalar path through the kernel, so the result is bit-identical. Only
+        fp32, where the number is rounded to fp32 either way; other dtypes keep the number. Kept per
+        group, not per process: a tensor made under one fake mode must not reach another model's.
+        """
+        if dtype != torch.float32:
+            return value
+        divisor = self._divisors.get(value)
+        if divisor is None:
+            divisor = self._divisors[value] = torch.tensor(value, dtype=torch.float32, device="cpu")
+        return divisor
 
     def wait_reduces(self) -> None:
         pending, self.pending_reduces = self.pending_reduces, []
@@ -351,28 +380,11 @@ class ParamGroup:
             collective.on_done = _discard
             collective.finish()
         self._partial.clear()
+        self.handshakes.ledgers.forget()
         self.reshard()
         self._kept = None
         for p in self.params:
             p.clear_unsharded_grad()
-
-
-_DIVISORS: dict[float, torch.Tensor] = {}
-
-
-def _divisor(value: float, dtype: torch.dtype) -> float | torch.Tensor:
-    """``value`` as a cached 0-dim fp32 CPU tensor for fp32 gradients, else as it is.
-
-    Dividing by a Python number first wraps it into a tensor (about 1 µs per call); a 0-dim CPU
-    tensor takes the same scalar path through the kernel, so the result is bit-identical. Only
-    fp32, where the number is rounded to fp32 either way; other dtypes keep the number.
-    """
-    if dtype != torch.float32:
-        return value
-    divisor = _DIVISORS.get(value)
-    if divisor is None:
-        divisor = _DIVISORS[value] = torch.tensor(value, dtype=torch.float32, device="cpu")
-    return divisor
 
 
 def _discard() -> None:

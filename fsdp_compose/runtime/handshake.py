@@ -4,9 +4,12 @@ gloo cannot report a collective whose ranks disagree: buffers of different sizes
 process inside gloo ("op.preamble.length <= op.nbytes"), and different collectives hang. So,
 by default, each group's all-gather is preceded by a handshake on (magic, group id, kind,
 bytes); if any rank's entry differs, every rank raises the same ``ExecutionOrderError`` naming
-what each rank was about to run, before the real collective is issued. On gloo, and on any
+what each rank was about to run, before the real collective is issued. That is the gloo path;
+on other backends, where each host read is a sync with the device, the handshakes are judged
+once per step without a read per collective (``handshake_ledger.py``); the all-reduce form
+below stays here for tests that force it onto gloo. On gloo, and on any
 group of at most ``ALL_REDUCE_FROM`` - 1 ranks, the handshake all-gathers the 32-byte entries.
-On larger groups of other backends it is one all-reduce (max) of the entry and its negation,
+On larger groups it is one all-reduce (max) of the entry and its negation,
 which gives every rank the largest and the smallest entry of each field (equal everywhere
 means all agree; otherwise every rank sees the same disagreement and all-gathers the entries,
 only then, to name them): 64 bytes whatever the world size, where the all-gather grows with
@@ -38,6 +41,7 @@ import torch.distributed as dist
 
 from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
+from .handshake_ledger import Entry, Ledgers
 from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
 
 KINDS = {1: "all-gather", 2: "reduce-scatter"}
@@ -99,6 +103,11 @@ class _Exchange:
 class Handshakes:
     """One group's handshakes, cached per (kind, bytes, process group).
 
+    On gloo each is judged on the host before the collective it precedes (``run``); on other
+    backends it goes into its process group's ledger in ``ledgers`` (the root's, shared by the
+    model's groups), judged once a round without a host read per collective
+    (``handshake_ledger.py``). The backend is looked up once per (kind, bytes, process group).
+
     The process group is called directly (``ProcessGroup.all_gather_single`` or ``allreduce``,
     what ``torch.distributed``'s functions call after their argument checks): that skips about 10 µs
     of Python per handshake, and keeps the handshake out of anything that wraps ``dist``'s
@@ -109,11 +118,19 @@ class Handshakes:
         self.uid = uid
         self.kinds = kinds
         self.device = device
-        self._exchanges: dict[tuple[int, int, object], _Exchange | None] = {}
+        self._exchanges: dict[tuple[int, int, object], _Exchange | Entry | None] = {}
+        self.ledgers = Ledgers()  # this group's own until the root's replaces it (``use_ledgers``)
 
     def follow_device(self, device: torch.device) -> None:
         if device != self.device:
             self.device = device
+            self._exchanges.clear()
+
+    def use_ledgers(self, ledgers: Ledgers) -> None:
+        """Record into the root's ledgers from now on, after judging what this group recorded alone."""
+        if ledgers is not self.ledgers:
+            self.ledgers.close_round()
+            self.ledgers = ledgers
             self._exchanges.clear()
 
     def check(self, kind: int, nbytes: int, group, describe: Callable[[int], str]) -> None:
@@ -125,12 +142,20 @@ class Handshakes:
         exchange = self._exchanges.get(key, False)
         if exchange is False:  # first time: build the tensors (none for a one-rank group)
             world = group.size()
-            if world > 1:
+            if world <= 1:
+                exchange = None
+            elif dist.get_backend(group) == "gloo":
                 exchange = _Exchange(self.uid, kind, nbytes, world, self.device, uses_all_reduce(group, world))
             else:
-                exchange = None
+                exchange = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, self.device), self.device)
             self._exchanges[key] = exchange
-        if exchange is not None:
+        if exchange is None:
+            return
+        if type(exchange) is Entry:
+            work = exchange.ledger.record(exchange, describe)
+            if work is not None:
+                wait_named(work, partial(_entry_what, self.uid, kind, describe))
+        else:
             run(exchange, group, describe)
 
 
@@ -156,6 +181,10 @@ def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
             work = group.all_gather_single(rows, exchange.mine, ASYNC_ALL_GATHER)
         wait_named(work, exchange.what)
     _raise_diverged(rows.view(-1, 4), group, describe)
+
+
+def _entry_what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
+    return f"the handshake before the {KINDS[kind]} of {describe(uid)}"
 
 
 def _what(exchange: _Exchange, describe: Callable[[int], str]) -> str:

@@ -12,6 +12,7 @@ from torch import nn
 
 from ..policies import MixedPrecisionPolicy
 from .group import ParamGroup
+from .handshake_ledger import Ledgers
 from .uids import rank_key
 
 
@@ -85,6 +86,8 @@ class RootState:
     reference_final: bool = False  # the first step ended: later steps are compared with its order
     backward_in_step: bool = False  # a backward ended since the step began; the root's next forward ends the step
     warned_order_change: bool = False
+    # handshakes on backends other than gloo, judged when each backward ends (handshake_ledger.py)
+    ledgers: Ledgers = field(default_factory=Ledgers)
 
 
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed

@@ -139,3 +139,4 @@ def end_of_backward(root: RootState) -> None:
         state.reset_backward()
     end_backward(root)
     root.in_backward = False
+    root.ledgers.close_round()  # may raise ExecutionOrderError, once the step's state is reset

@@ -38,6 +38,7 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
     root = RootState(root_state=state, states=[s for _, s in found])
     for name, s in found:
         s.group.follow_local_devices()
+        s.group.handshakes.use_ledgers(root.ledgers)
         s.root = root
         s.group.label = f"'{name or '<root>'}' ({class_name(s.module)})"
         for p in s.group.params:

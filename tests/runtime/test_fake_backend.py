@@ -1,0 +1,152 @@
+"""Issue 22: on a backend other than gloo a training step reads no tensor value on the host, and
+models in one process share nothing.
+
+Each configuration the suite trains runs two AdamW steps on fake tensors (``FakeTensorMode``, where
+any host read raises) with torch's fake process group, all in one process
+(tests/runtime/fake_backend_configs.py, run in a subprocess: the test process may hold a gloo
+group). Ranks that diverge on such a backend are still named, once the step's backward ends
+(runtime/handshake_ledger.py), shown on torch's threaded process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from expecttest import assert_expected_inline
+from torch import nn
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
+
+from fsdp_compose import fully_shard
+from fsdp_compose.runtime.order_check import ExecutionOrderError
+from tests.runtime.test_threaded_ranks import HANG_LIMIT_S, _abort_hung_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ALL = (
+    "fp32,bf16,no_reshard,reshard_to_4,hsdp,hsdp_reshard_to_2,shard_dim_1,no_sync,offload,checkpointed,"
+    "tp_2d,tied,unused,protocol,side_by_side"
+)
+AT_SCALE = "fp32,bf16,hsdp,offload,protocol,side_by_side"
+
+
+def _run(world: int, configs: str) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.runtime.fake_backend_configs", str(world), configs],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def _check(results: dict, configs: str, world: int) -> None:
+    for config in configs.split(","):
+        got = results[config]
+        assert "error" not in got, (config, got)
+        if config == "side_by_side":
+            assert got["adam_steps"][0] == got["adam_steps"][1] > 0, got
+            assert got["embed_local_rows"] == [-(-64 // world), -(-64 // (world // 2))], got
+            continue
+        assert got["loss_shape"] == [] and got["all_dtensors"], (config, got)
+        assert got["grads_like_shards"] and got["adam_state_like_shards"], (config, got)
+        assert got["gathered_with_protocol"] == (config == "protocol"), (config, got)
+        rows_over = world // 2 if config in ("hsdp", "hsdp_reshard_to_2", "tp_2d") else world
+        expected_rows = 64 if config == "shard_dim_1" else -(-64 // rows_over)
+        assert got["embed_local_rows"] == expected_rows, (config, got)
+
+
+@pytest.mark.parametrize(("world", "configs"), [(8, ALL), (1024, AT_SCALE)])
+def test_every_configuration_trains_two_steps_on_fake_tensors(world, configs):
+    _check(_run(world, configs), configs, world)
+
+
+# ----- divergence on a backend other than gloo: named when backward ends --------------------------
+class TwoLinears(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen))
+
+    def forward(self, x: torch.Tensor, reverse: bool) -> torch.Tensor:
+        return self.a(self.b(x)) if reverse else self.b(self.a(x))
+
+
+class TestDivergenceOnThreadedRanks(MultiThreadedTestCase):
+    """Rank 1 runs two equally sized modules in the other order: the collectives pair up (no hang,
+    mixed-up data), and every rank raises when the step's handshakes are judged."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._watchdog = threading.Timer(HANG_LIMIT_S, _abort_hung_ranks)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        self._spawn_threads()
+
+    def tearDown(self) -> None:
+        self._watchdog.cancel()
+        super().tearDown()
+
+    def _diverge(self) -> str:
+        model = TwoLinears()
+        fully_shard(model.a)
+        fully_shard(model.b)
+        fully_shard(model)
+        try:
+            model(torch.ones(2, 4), reverse=dist.get_rank() == 1).sum().backward()
+        except ExecutionOrderError as error:
+            return str(error)
+        return "no error"
+
+    def test_ranks_are_named_when_backward_ends(self) -> None:
+        assert_expected_inline(
+            self._diverge(),
+            """\
+Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: all-gather of 'a' (Linear), 40 bytes
+  rank 1: all-gather of 'b' (Linear), 40 bytes
+(on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
+        )
+
+
+class TestPackedDivergenceOnThreadedRanks(TestDivergenceOnThreadedRanks):
+    """The same on the form of groups over 8 ranks: one all-reduce of packed fields, two ranks named."""
+
+    def setUp(self) -> None:
+        from fsdp_compose.runtime import handshake_ledger
+
+        self._original = handshake_ledger.gathers_entries
+        handshake_ledger.gathers_entries = lambda world: False  # before the rank threads start
+        super().setUp()
+
+    def tearDown(self) -> None:
+        from fsdp_compose.runtime import handshake_ledger
+
+        handshake_ledger.gathers_entries = self._original
+        super().tearDown()
+
+    def test_ranks_are_named_when_backward_ends(self) -> None:
+        assert_expected_inline(
+            self._diverge(),
+            """\
+Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: all-gather of 'a' (Linear), 40 bytes
+  rank 1: all-gather of 'b' (Linear), 40 bytes
+  (the largest and smallest entries of 2 ranks; the others are not named)
+(on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
+        )
