@@ -14,7 +14,7 @@ import types
 from torch import nn
 
 from .module import FSDPModule
-from .runtime.hooks.forward import post_forward, pre_forward
+from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.state import class_name, state_of
 
 
@@ -35,9 +35,9 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def run_as_forward(self: nn.Module, *args, **kwargs):
-        args, kwargs = pre_forward(state, self, args, kwargs)
+        args, kwargs = pre_forward_hook(state, self, args, kwargs)
         output = method(self, *args, **kwargs)
-        return post_forward(state, self, args, output)
+        return post_forward_hook(state, self, args, output)
 
     setattr(module, method_name, types.MethodType(run_as_forward, module))
 
