@@ -60,8 +60,10 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device that parameters of this mesh should live on."""
     if mesh.device_type == "cpu":
         return torch.device("cpu")
-    module = getattr(torch, mesh.device_type)
-    return torch.device(mesh.device_type, module.current_device())
+    accelerator = getattr(torch, "accelerator", None)
+    if accelerator is not None and accelerator.is_available():
+        return torch.device(mesh.device_type, accelerator.current_device_index())
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
 def post_forward_group(mesh: DeviceMesh, ranks: int) -> dist.ProcessGroup:

@@ -69,6 +69,7 @@ class GatherExtension:
         self.metadata: Any = None
         self.outputs: list[torch.Tensor] = []  # flat (world * numel) per input, storage freed when sharded
         self.freed: list[tuple[torch.UntypedStorage, int]] = []  # other storages post-all-gather returned
+        self._pads: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def pieces(self, local: torch.Tensor, rows_per_rank: int, local_rows: int, device: torch.device) -> list:
         """Call pre-all-gather; return this rank's byte pieces (inputs short of the padded row count
@@ -87,7 +88,7 @@ class GatherExtension:
             pieces.append(t.contiguous().view(-1).view(torch.uint8))
             if len(shape) and shape[0] == local_rows < rows_per_rank:  # short on dim 0: pad it
                 row_bytes = math.prod(shape[1:]) * t.dtype.itemsize
-                pieces.append(torch.zeros((rows_per_rank - local_rows) * row_bytes, dtype=torch.uint8, device=t.device))
+                pieces.append(self._zeros((rows_per_rank - local_rows) * row_bytes, t.device))
                 shape = torch.Size((rows_per_rank, *shape[1:]))
             shapes.append(shape)
         dtypes = [t.dtype for t in inputs]
@@ -100,6 +101,13 @@ class GatherExtension:
                 f"{_listing(self.shapes, self.dtypes)} on an earlier step; they must stay the same"
             )
         return pieces
+
+    def _zeros(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """Zero bytes that pad a short input, made once (they are only read)."""
+        pad = self._pads.get((nbytes, device))
+        if pad is None:
+            pad = self._pads[(nbytes, device)] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return pad
 
     def targets(self, world: int, device: torch.device) -> list[torch.Tensor]:
         """Give the outputs storage; return each as a (world, width) byte view with its own version
