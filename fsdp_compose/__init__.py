@@ -13,6 +13,7 @@ from .module import FSDPModule, UnshardHandle
 from .module_knobs import share_comm_ctx
 from .observe.explain import Explanation, collective_bytes, explain
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .quantize import quantize_all_gather
 from .runtime.handshake import CollectiveError
 from .runtime.order_check import ExecutionOrderError
 from .spmd_mesh import DataParallelMeshDims
@@ -37,6 +38,7 @@ __all__ = [
     "MixedPrecisionPolicy",
     "OffloadPolicy",
     "CPUOffloadPolicy",
+    "quantize_all_gather",
     "init_sharded_parameters",
     "sync_module_states",
     "apply_fully_shard",

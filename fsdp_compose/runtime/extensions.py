@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from functools import partial
 from typing import Any
 
 import torch
@@ -55,14 +56,17 @@ class GatherExtension:
         outer: tuple[torch.Size, tuple[int, ...]],
         module: nn.Module,
         mp_policy,
+        codec=None,
     ) -> None:
         self.source = source
+        # a codec (``quantized_gather.BlockQuantized``) in place of the shard's own methods
+        self.codec = codec
         self.fqn = fqn
         self.mesh = mesh  # the shard mesh (1-D), as FSDP2 passes it
         self.outer = outer  # the unsharded size and contiguous stride
         self.module = module
         self.mp_policy = mp_policy
-        self.takes_five = _arity(source, fqn) == 5
+        self.takes_five = codec is not None or _arity(source, fqn) == 5
         self.shapes: list[torch.Size] | None = None  # padded per-rank input shapes
         self.dtypes: list[torch.dtype] = []
         self.widths: list[int] = []  # bytes per rank of each input: the group's columns
@@ -72,21 +76,26 @@ class GatherExtension:
         self._pads: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def pieces(self, local: torch.Tensor, rows_per_rank: int, local_rows: int, device: torch.device) -> list:
-        """Call pre-all-gather; return this rank's byte pieces (inputs short of the padded row count
-        are padded with zero rows, so uneven shards need no self-padding subclass)."""
+        """Call pre-all-gather; return this rank's byte pieces (inputs laid out like the shard's rows
+        but short of the padded row count are padded with zero rows, so uneven shards need no
+        self-padding subclass)."""
         if local.device != device:  # CPU offload: the shard goes to the compute device first
             local = local.to(device, non_blocking=True)
+        pre = getattr(local, PRE) if self.codec is None else partial(self.codec.pre, local)
         if self.takes_five:
-            inputs, self.metadata = getattr(local, PRE)(self.mesh, *self.outer, self.module, self.mp_policy)
+            inputs, self.metadata = pre(self.mesh, *self.outer, self.module, self.mp_policy)
         else:
-            inputs, self.metadata = getattr(local, PRE)(self.mesh)
+            inputs, self.metadata = pre(self.mesh)
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
         pieces, shapes = [], []
+        row_shape = self.outer[0][1:]
         for t in inputs:
             shape = t.shape
             pieces.append(t.contiguous().view(-1).view(torch.uint8))
-            if len(shape) and shape[0] == local_rows < rows_per_rank:  # short on dim 0: pad it
+            # laid out like this rank's rows and short of the padded count: pad it (a codec pads itself)
+            short = len(shape) and shape[0] == local_rows < rows_per_rank and shape[1:] == row_shape
+            if short and self.codec is None:
                 row_bytes = math.prod(shape[1:]) * t.dtype.itemsize
                 pieces.append(self._zeros((rows_per_rank - local_rows) * row_bytes, t.device))
                 shape = torch.Size((rows_per_rank, *shape[1:]))
@@ -130,7 +139,7 @@ class GatherExtension:
     def post(self, unsharded: nn.Parameter | None, param_dtype: torch.dtype) -> torch.Tensor | None:
         """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place."""
         outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
-        post = getattr(self.source, POST)
+        post = getattr(self.source, POST) if self.codec is None else self.codec.post
         # kept until the next pre-all-gather: after a forward with reshard_after_forward=<int> the
         # backward re-gathers the same inputs within fewer ranks, and post-all-gather needs it again
         metadata = self.metadata

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from .extensions import GatherExtension, has_protocol, is_wrapper_subclass
+from .quantized_gather import BlockQuantized, wire_format_of
 
 
 @dataclass
@@ -183,7 +184,9 @@ class ShardedParam:
         self.comm_local_shape = torch.Size((self.local_rows, *others))
         self.comm_local_strides = contiguous_strides(self.comm_local_shape)
         self.mp_policy = mp_policy  # passed to the all-gather extension protocol's five-argument form
-        check_subclass(source, fqn, self.tp_spec is not None, shard_dim)
+        # a quantized wire format chosen by ``quantize_all_gather`` (sent through the same protocol)
+        self.wire: BlockQuantized | None = wire_format_of(param)
+        check_subclass(source, fqn, self.tp_spec is not None, shard_dim, self.wire is not None)
         local = self.shard_of(source)
         self.sharded_param = nn.Parameter(
             DTensor.from_local(
@@ -315,7 +318,8 @@ class ShardedParam:
         extension = self.extension
         if extension is not None and extension.source is local:
             return extension
-        protocol = has_protocol(local, f"the shard of parameter '{self.fqn}'")
+        own = has_protocol(local, f"the shard of parameter '{self.fqn}'")  # a subclass's protocol comes first
+        protocol = own or self.wire is not None
         if extension is not None or (protocol and self.unsharded_param is not None):
             # the unsharded parameter was built for another shard object: build it anew
             self.free_unsharded()
@@ -326,7 +330,8 @@ class ShardedParam:
             return None
         mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
         outer = (self.unsharded_shape, contiguous_strides(self.unsharded_shape))
-        self.extension = GatherExtension(local, self.fqn, mesh, outer, self.places[0].module, self.mp_policy)
+        codec = None if own else self.wire
+        self.extension = GatherExtension(local, self.fqn, mesh, outer, self.places[0].module, self.mp_policy, codec)
         return self.extension
 
     def gather_widths(self) -> list[int]:
@@ -526,22 +531,23 @@ class ShardedParam:
             current._local_tensor.add_(local_grad.to(current._local_tensor.device))
 
 
-def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int) -> None:
+def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int, wire: bool = False) -> None:
     """Refuse, naming the parameter, a tensor subclass the byte all-gather would get wrong: one
-    without the extension protocol (its bytes are not its values), or one with it where the
-    protocol's layout is not defined (tensor parallel, ``Shard(d)`` with ``d > 0``)."""
+    without the extension protocol (its bytes are not its values), or one with it (or with a
+    quantized wire format) where the protocol's layout is not defined (tensor parallel,
+    ``Shard(d)`` with ``d > 0``)."""
     where = f"parameter '{fqn}'"
-    if not has_protocol(source, where):
-        if is_wrapper_subclass(source) and not isinstance(source, DTensor):
-            raise ValueError(
-                f"{where} is a tensor subclass ({type(source).__name__}) without fsdp_pre_all_gather and "
-                "fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. "
-                "Implement the all-gather extension protocol on it, or pass it in ignored_params"
-            )
-        return
-    if tensor_parallel or shard_dim:
+    protocol = has_protocol(source, where)
+    if not protocol and is_wrapper_subclass(source) and not isinstance(source, DTensor):
+        raise ValueError(
+            f"{where} is a tensor subclass ({type(source).__name__}) without fsdp_pre_all_gather and "
+            "fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. "
+            "Implement the all-gather extension protocol on it, or pass it in ignored_params"
+        )
+    if (protocol or wire) and (tensor_parallel or shard_dim):
         layout = "tensor parallel" if tensor_parallel else f"Shard({shard_dim})"
+        what = "implements the all-gather extension protocol" if protocol else "has a quantized all-gather"
         raise NotImplementedError(
-            f"{where} implements the all-gather extension protocol, which fully_shard supports on dim-0 "
-            f"shards of a data-parallel mesh only, not with {layout}"
+            f"{where} {what}, which fully_shard supports on dim-0 shards of a data-parallel mesh only, "
+            f"not with {layout}"
         )
