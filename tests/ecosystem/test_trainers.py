@@ -1,0 +1,161 @@
+"""Trainers that drive FSDP2 themselves: Lightning, the Hugging Face Trainer, and peft LoRA, on gloo ranks.
+
+Each case trains the same model twice through the trainer, once with torch's FSDP2 and once with
+ours, and checks that both runs agree bit for bit (every rank's losses, the final parameters),
+and that ours matches an unsharded (or DDP) reference within 1e-5. Each case skips when its
+library is not installed.
+
+The trainers run inside the harness's ranks, whose process group already exists: Lightning and
+accelerate both use an initialized group instead of creating one, once the torchrun variables
+(``LOCAL_RANK``, ...) tell them that the processes were launched for them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.harness import run_on_ranks
+from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_param_diff
+
+IMPLS = ["torch", "ours"]
+STEPS, PER_RANK, WORLD = 3, 2, 2
+
+
+def _implementation(impl: str) -> tuple[Callable, type]:
+    """``fully_shard`` and ``FSDPModule`` of torch's FSDP2 or of ours."""
+    if impl == "torch":
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+    else:
+        from fsdp_compose import FSDPModule, fully_shard
+    return fully_shard, FSDPModule
+
+
+@contextlib.contextmanager
+def torchrun_environment() -> Iterator[None]:
+    """The variables torchrun sets, for this rank; trainers read them (and change them), so all are restored."""
+    saved = dict(os.environ)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",  # read, never bound: the process group exists already
+    )
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole, detached (results cross the process boundary)."""
+    full = {}
+    for name, param in model.named_parameters():
+        param = param.detach()
+        full[name] = param.full_tensor() if hasattr(param, "full_tensor") else param.clone()
+    return full
+
+
+def assert_bit_for_bit(torch_run: list[dict], our_run: list[dict]) -> None:
+    """Every rank's losses and every final parameter identical (``torch.equal``)."""
+    for rank, (theirs, ours) in enumerate(zip(torch_run, our_run)):
+        assert ours["losses"] == theirs["losses"], (rank, ours["losses"], theirs["losses"])
+        assert list(ours["params"]) == list(theirs["params"]), rank
+        differ = [name for name in ours["params"] if not torch.equal(ours["params"][name], theirs["params"][name])]
+        assert not differ, (rank, differ)
+
+
+# --- Lightning: ModelParallelStrategy, fully_shard in configure_model --------------------------------------------
+
+
+def _lightning_run(impl: str, root_dir: str) -> dict:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+    from torch.utils.data import DataLoader
+
+    fully_shard, fsdp_module = _implementation(impl)
+
+    class LitLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = TinyLM()
+            self.losses: list[float] = []
+            self.sharded: list[str] = []
+
+        def configure_model(self) -> None:
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.sharded = [name for name, m in self.model.named_modules() if isinstance(m, fsdp_module)]
+            loss = lm_loss(self.model, batch)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    # each rank its slice of every global batch, in order (no sampler: Lightning's would shuffle)
+    batches = [global_batch(step, WORLD, PER_RANK) for step in range(STEPS)]
+    local_rows = torch.cat([local_slice(batch, dist.get_rank(), WORLD) for batch in batches])
+    module = LitLM()
+    reference = copy.deepcopy(module.model)
+    with torchrun_environment():
+        trainer = pl.Trainer(
+            strategy=ModelParallelStrategy(data_parallel_size=WORLD, tensor_parallel_size=1),
+            accelerator="cpu",
+            devices=WORLD,
+            num_nodes=1,
+            max_steps=STEPS,
+            default_root_dir=root_dir,
+            use_distributed_sampler=False,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        trainer.fit(module, DataLoader(local_rows, batch_size=PER_RANK))
+
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    ref_losses = []
+    for batch in batches:
+        loss = lm_loss(reference, batch)
+        loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(loss.item())
+    mean_losses = torch.tensor(module.losses)
+    dist.all_reduce(mean_losses)
+    return {
+        "losses": module.losses,
+        "mean_losses": (mean_losses / WORLD).tolist(),
+        "ref_losses": ref_losses,
+        "params": full_parameters(module.model),
+        "param_diff": max_param_diff(module.model, reference),
+        "sharded": module.sharded,
+    }
+
+
+def test_lightning_model_parallel_strategy_trains_like_torch_fsdp2(tmp_path) -> None:
+    pytest.importorskip("lightning")
+    runs = {impl: run_on_ranks(WORLD, _lightning_run, impl, str(tmp_path / impl)) for impl in IMPLS}
+    for r in runs["ours"]:
+        assert r["sharded"] == ["", "blocks.0", "blocks.1", "blocks.2"], r["sharded"]
+        assert len(r["losses"]) == STEPS
+        assert max(abs(a - b) for a, b in zip(r["mean_losses"], r["ref_losses"])) <= 1e-5, r
+        assert r["param_diff"] <= 1e-5, r["param_diff"]
+    assert_bit_for_bit(runs["torch"], runs["ours"])
