@@ -159,3 +159,104 @@ def test_lightning_model_parallel_strategy_trains_like_torch_fsdp2(tmp_path) -> 
         assert max(abs(a - b) for a, b in zip(r["mean_losses"], r["ref_losses"])) <= 1e-5, r
         assert r["param_diff"] <= 1e-5, r["param_diff"]
     assert_bit_for_bit(runs["torch"], runs["ours"])
+
+
+# --- Hugging Face Trainer: fsdp_version 2 through use_as_torch_fsdp() ---------------------------------------------
+
+HF_IMPLS = ["torch", "ours", "ddp"]  # ddp: the Trainer's own CPU default, the reference
+
+
+def _hf_trainer_run(impl: str, output_dir: str) -> dict:
+    import transformers
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule as TorchFSDPModule  # before any patch: torch's own class
+    from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallback, TrainingArguments
+
+    from fsdp_compose import FSDPModule as OurFSDPModule
+    from fsdp_compose_compat import use_as_torch_fsdp
+
+    transformers.logging.set_verbosity_error()
+
+    class CPUFSDPTrainer(Trainer):
+        """On a CPU-only machine accelerate picks MULTI_CPU (DDP) whatever the FSDP arguments say; switch it to FSDP."""
+
+        losses: list[float]
+
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if self.args.fsdp_plugin_args is not None:
+                self.accelerator.state.distributed_type = DistributedType.FSDP
+                self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                self.is_fsdp_enabled = True
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+            self.losses.append(loss.item())
+            return loss
+
+    class RecordSharding(TrainerCallback):
+        """Which implementation shards each decoder block, seen at every step of training."""
+
+        def __init__(self) -> None:
+            self.seen: set[tuple[str, ...]] = set()
+
+        def on_step_end(self, args, state, control, model=None, **kwargs) -> None:
+            kinds = []
+            for block in model.transformer.h:
+                kinds.append(
+                    "ours"
+                    if isinstance(block, OurFSDPModule)
+                    else "torch"
+                    if isinstance(block, TorchFSDPModule)
+                    else "none"
+                )
+            self.seen.add(tuple(kinds))
+
+    fsdp_args = {}
+    if impl != "ddp":
+        fsdp_args = {
+            "fsdp": "full_shard",
+            "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+        }
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    dataset = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (STEPS * WORLD * PER_RANK, 8), generator=gen)
+    ]
+    recorder = RecordSharding()
+    with torchrun_environment(), use_as_torch_fsdp() if impl == "ours" else contextlib.nullcontext():
+        args = TrainingArguments(
+            output_dir=output_dir,
+            use_cpu=True,
+            per_device_train_batch_size=PER_RANK,
+            max_steps=STEPS,
+            learning_rate=1e-3,
+            seed=0,
+            report_to="none",
+            save_strategy="no",
+            disable_tqdm=True,
+            **fsdp_args,
+        )
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config)
+        trainer = CPUFSDPTrainer(model=model, args=args, train_dataset=dataset, callbacks=[recorder])
+        trainer.losses = []
+        trainer.train()
+        params = full_parameters(trainer.model)
+    AcceleratorState._reset_state(True)
+    return {"losses": trainer.losses, "params": params, "sharding": sorted(recorder.seen)}
+
+
+def test_hf_trainer_fsdp2_through_use_as_torch_fsdp_trains_like_torch_fsdp2(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    runs = {impl: run_on_ranks(WORLD, _hf_trainer_run, impl, str(tmp_path / impl)) for impl in HF_IMPLS}
+    for impl in HF_IMPLS:
+        kind = "none" if impl == "ddp" else impl
+        assert all(r["sharding"] == [(kind, kind)] for r in runs[impl]), (impl, [r["sharding"] for r in runs[impl]])
+        assert all(len(r["losses"]) == STEPS for r in runs[impl]), impl
+    assert_bit_for_bit(runs["torch"], runs["ours"])
+    for ours, ddp in zip(runs["ours"], runs["ddp"]):
+        assert max(abs(a - b) for a, b in zip(ours["losses"], ddp["losses"])) <= 1e-5, (ours["losses"], ddp["losses"])
+        assert max((ours["params"][n] - ddp["params"][n]).abs().max().item() for n in ddp["params"]) <= 1e-5
