@@ -260,3 +260,63 @@ def test_hf_trainer_fsdp2_through_use_as_torch_fsdp_trains_like_torch_fsdp2(tmp_
     for ours, ddp in zip(runs["ours"], runs["ddp"]):
         assert max(abs(a - b) for a, b in zip(ours["losses"], ddp["losses"])) <= 1e-5, (ours["losses"], ddp["losses"])
         assert max((ours["params"][n] - ddp["params"][n]).abs().max().item() for n in ddp["params"]) <= 1e-5
+
+
+# --- peft LoRA: frozen base weights and trainable adapters in the same groups --------------------------------------
+
+
+def _peft_lora_run(impl: str) -> dict:
+    from peft import LoraConfig, get_peft_model
+
+    fully_shard, _ = _implementation(impl)
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    base = TinyLM()
+    # init_lora_weights=False: lora_B random too (peft's default zeros it), so every adapter gets gradients from step 0
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["fc1", "fc2"], init_lora_weights=False))
+    reference = copy.deepcopy(model)
+    frozen_before = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
+    for block in model.base_model.model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    trainable = [name for name, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in reference.parameters() if p.requires_grad], lr=1e-2)
+    losses, ref_losses = [], []
+    for step in range(STEPS):
+        batch = global_batch(step, WORLD, PER_RANK)
+        loss = lm_loss(model, local_slice(batch, rank, WORLD))
+        loss.backward()
+        ref_loss = lm_loss(reference, batch)
+        ref_loss.backward()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+        assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    mean_losses = torch.tensor(losses)
+    dist.all_reduce(mean_losses)
+    params = full_parameters(model)
+    base_unchanged = all(torch.equal(params[name], before) for name, before in frozen_before.items())
+    return {
+        "losses": losses,
+        "mean_losses": (mean_losses / WORLD).tolist(),
+        "ref_losses": ref_losses,
+        "params": params,
+        "param_diff": max_param_diff(model, reference),
+        "trainable": trainable,
+        "base_unchanged": base_unchanged,
+        "frozen": len(frozen_before),
+    }
+
+
+def test_peft_lora_trains_like_torch_fsdp2() -> None:
+    pytest.importorskip("peft")
+    runs = {impl: run_on_ranks(WORLD, _peft_lora_run, impl) for impl in IMPLS}
+    for r in runs["ours"]:
+        assert len(r["trainable"]) == 12 and all(".lora_" in name for name in r["trainable"]), r["trainable"]
+        assert r["frozen"] == len(list(TinyLM().parameters())) and r["base_unchanged"]  # every base weight, untouched
+        assert max(abs(a - b) for a, b in zip(r["mean_losses"], r["ref_losses"])) <= 1e-5, r
+        assert r["param_diff"] <= 1e-5, r["param_diff"]
+    assert_bit_for_bit(runs["torch"], runs["ours"])
