@@ -109,7 +109,7 @@ def _lightning_run(impl: str, root_dir: str) -> dict:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
-    # each rank its slice of every global batch, in order (no sampler: Lightning's would shuffle)
+    # each rank its slice of every global batch, in order (Lightning's DistributedSampler always shuffles training data)
     batches = [global_batch(step, WORLD, PER_RANK) for step in range(STEPS)]
     local_rows = torch.cat([local_slice(batch, dist.get_rank(), WORLD) for batch in batches])
     module = LitLM()
