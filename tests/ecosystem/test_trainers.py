@@ -27,6 +27,9 @@ from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_param_d
 
 IMPLS = ["torch", "ours"]
 STEPS, PER_RANK, WORLD = 3, 2, 2
+# a run costs about a second; fresh workers first import the trainer (transformers alone takes ~15 s unloaded),
+# which on a loaded 2-core machine once overran the harness's 120 s default
+RUN_TIMEOUT_S = 240.0
 
 
 def _implementation(impl: str) -> tuple[Callable, type]:
@@ -152,7 +155,9 @@ def _lightning_run(impl: str, root_dir: str) -> dict:
 
 def test_lightning_model_parallel_strategy_trains_like_torch_fsdp2(tmp_path) -> None:
     pytest.importorskip("lightning")
-    runs = {impl: run_on_ranks(WORLD, _lightning_run, impl, str(tmp_path / impl)) for impl in IMPLS}
+    runs = {
+        impl: run_on_ranks(WORLD, _lightning_run, impl, str(tmp_path / impl), timeout=RUN_TIMEOUT_S) for impl in IMPLS
+    }
     for r in runs["ours"]:
         assert r["sharded"] == ["", "blocks.0", "blocks.1", "blocks.2"], r["sharded"]
         assert len(r["losses"]) == STEPS
@@ -251,7 +256,10 @@ def _hf_trainer_run(impl: str, output_dir: str) -> dict:
 def test_hf_trainer_fsdp2_through_use_as_torch_fsdp_trains_like_torch_fsdp2(tmp_path) -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
-    runs = {impl: run_on_ranks(WORLD, _hf_trainer_run, impl, str(tmp_path / impl)) for impl in HF_IMPLS}
+    runs = {
+        impl: run_on_ranks(WORLD, _hf_trainer_run, impl, str(tmp_path / impl), timeout=RUN_TIMEOUT_S)
+        for impl in HF_IMPLS
+    }
     for impl in HF_IMPLS:
         kind = "none" if impl == "ddp" else impl
         assert all(r["sharding"] == [(kind, kind)] for r in runs[impl]), (impl, [r["sharding"] for r in runs[impl]])
@@ -313,7 +321,7 @@ def _peft_lora_run(impl: str) -> dict:
 
 def test_peft_lora_trains_like_torch_fsdp2() -> None:
     pytest.importorskip("peft")
-    runs = {impl: run_on_ranks(WORLD, _peft_lora_run, impl) for impl in IMPLS}
+    runs = {impl: run_on_ranks(WORLD, _peft_lora_run, impl, timeout=RUN_TIMEOUT_S) for impl in IMPLS}
     for r in runs["ours"]:
         assert len(r["trainable"]) == 12 and all(".lora_" in name for name in r["trainable"]), r["trainable"]
         assert r["frozen"] == len(list(TinyLM().parameters())) and r["base_unchanged"]  # every base weight, untouched
