@@ -341,11 +341,13 @@ class ShardedParam:
         return [self.padded_numel * self.gather_element_size]
 
     def gather_nbytes(self) -> int:
-        """Bytes this rank sends per all-gather. Before the first unshard a shard that implements
-        the protocol is asked what it would send (no collective), so ``explain`` counts it."""
+        """Bytes this rank sends per all-gather: what the protocol sent last, or for a quantized wire
+        format, what it will send (computed locally). A subclass's own pre-all-gather is not asked
+        before the first unshard: it may run a collective (torchao's float8 weights all-reduce their
+        scale), and ``explain`` must stay local, so until then its shard counts as plain bytes."""
         local = self.local_tensor()
         fresh = self.extension is None and self.unsharded_param is None and local is not self._plain_source
-        if fresh and local.device.type != "meta":
+        if fresh and self.wire is not None and not has_protocol(local, self.fqn) and local.device.type != "meta":
             with torch.no_grad():
                 extension = self._extension_for(local)
                 if extension is not None:

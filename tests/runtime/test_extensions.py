@@ -459,8 +459,8 @@ def _whole_model_operations(tmp: str):
         fully_shard(mlp)
     fully_shard(model)
     _attach_float8_gather(model, [])
-    plan = explain(model)  # before any step: the protocol is asked what it would send
     _train(model, ref, 2, _batch)
+    plan = explain(model)  # counts what the protocol sent (before a step it would not ask: explain stays local)
     result = {"plan": [(g.name, g.all_gathers, g.all_gather_bytes) for g in plan.groups]}
     # full state dict and summon give the fp32 masters, not the float8 copies the protocol gathers
     full = full_state_dict(model, rank0_only=False)
