@@ -350,7 +350,8 @@ def _attach_float8_gather(model: nn.Module, sent: list) -> None:
         local.fsdp_post_all_gather = post.__get__(local)
 
 
-def _float8_only_group():
+def _float8_models(sent: list) -> tuple[nn.Module, nn.Module]:
+    """The reference and a sharded copy whose weight shards send float8 and a scale."""
     torch.manual_seed(0)
     ref = nn.Sequential(*[Float8RefMLP() for _ in range(2)])
     model = nn.Sequential(*[MLP() for _ in range(2)])
@@ -358,8 +359,13 @@ def _float8_only_group():
     for mlp in model:
         fully_shard(mlp)
     fully_shard(model)
-    sent: list = []
     _attach_float8_gather(model, sent)
+    return ref, model
+
+
+def _float8_only_group():
+    sent: list = []
+    ref, model = _float8_models(sent)
     _train(model, ref, 3, _batch)
     stats = fully_shard.state(model[0]).group.stats
     assert set(sent) == {(F8, torch.float32)}
@@ -451,14 +457,7 @@ def _whole_model_operations(tmp: str):
 
     from fsdp_compose import clip_grad_norm_, explain, full_state_dict, summon_full_params
 
-    torch.manual_seed(0)
-    ref = nn.Sequential(*[Float8RefMLP() for _ in range(2)])
-    model = nn.Sequential(*[MLP() for _ in range(2)])
-    model.load_state_dict(ref.state_dict())
-    for mlp in model:
-        fully_shard(mlp)
-    fully_shard(model)
-    _attach_float8_gather(model, [])
+    ref, model = _float8_models([])
     _train(model, ref, 2, _batch)
     plan = explain(model)  # counts what the protocol sent (before a step it would not ask: explain stays local)
     result = {"plan": [(g.name, g.all_gathers, g.all_gather_bytes) for g in plan.groups]}
