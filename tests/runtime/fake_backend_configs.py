@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.utils.checkpoint import checkpoint
 
-from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from fsdp_compose import CPUOffloadPolicy, DataParallelMeshDims, MixedPrecisionPolicy, fully_shard, quantize_all_gather
 
 VOCAB, DIM, HIDDEN, SEQ, BATCH = 64, 32, 64, 8, 2
 
@@ -115,8 +115,15 @@ def build(config: str, world: int) -> tuple[nn.Module, dict]:
     elif config == "tp_2d":
         full = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         mesh, tp = full["dp"], full["tp"]
+    elif config == "dp_mesh_dims":  # parameters replicated DTensors on a full SPMD mesh
+        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        kwargs["dp_mesh_dims"] = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
     with torch.device("meta"):
         model = LM(tied=config == "tied", side=config == "unused", checkpointed=config == "checkpointed")
+    if config == "quantized":
+        quantize_all_gather(model, block_size=32, min_numel=0)
+    if config == "dp_mesh_dims":
+        _replicate_on(model, mesh)
     for block in model.blocks:
         if tp is not None:
             parallelize_module(block, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
@@ -125,6 +132,29 @@ def build(config: str, world: int) -> tuple[nn.Module, dict]:
         fully_shard([model.embed, model.head], mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     return model, kwargs
+
+
+def _replicate_on(model: nn.Module, mesh) -> None:
+    """Every leaf's parameters as replicated DTensors on ``mesh``, taking and giving plain tensors."""
+
+    def partition(_name, module, device_mesh):
+        for name, param in list(module.named_parameters(recurse=False)):
+            replicated = distribute_tensor(param.detach(), device_mesh, [Replicate()] * device_mesh.ndim)
+            module.register_parameter(name, nn.Parameter(replicated))
+
+    def to_dtensor(_module, inputs, device_mesh):
+        return tuple(
+            DTensor.from_local(x, device_mesh, [Replicate()] * device_mesh.ndim, run_check=False)
+            if isinstance(x, torch.Tensor)
+            else x
+            for x in inputs
+        )
+
+    for module in model.modules():
+        if list(module.parameters(recurse=False)) and not list(module.children()):
+            distribute_module(
+                module, mesh, partition, input_fn=to_dtensor, output_fn=lambda _m, out, _mesh: out.to_local()
+            )
 
 
 def train(config: str, world: int) -> dict:
@@ -161,6 +191,9 @@ def train(config: str, world: int) -> dict:
         ),
         "embed_local_rows": sharded["embed.weight"].to_local().shape[0],
         "gathered_with_protocol": calls["pre"] > 0,
+        # qkv.weight (after norm1's weight and bias) travels as int8 and one fp32 scale per 32 values
+        "quantized_bytes": fully_shard.state(model.blocks[0]).group.layout.sizes[2:4]
+        == [-(-3 * DIM // world) * DIM, -(-3 * DIM // world) * DIM // 32 * 4],
     }
 
 

@@ -30,9 +30,9 @@ from tests.runtime.test_threaded_ranks import HANG_LIMIT_S, _abort_hung_ranks
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL = (
     "fp32,bf16,no_reshard,reshard_to_4,hsdp,hsdp_reshard_to_2,shard_dim_1,no_sync,offload,checkpointed,"
-    "tp_2d,tied,unused,protocol,side_by_side"
+    "tp_2d,dp_mesh_dims,tied,unused,protocol,quantized,side_by_side"
 )
-AT_SCALE = "fp32,bf16,hsdp,offload,protocol,side_by_side"
+AT_SCALE = "fp32,bf16,hsdp,offload,protocol,quantized,side_by_side"
 
 
 def _run(world: int, configs: str) -> dict:
@@ -59,7 +59,8 @@ def _check(results: dict, configs: str, world: int) -> None:
         assert got["loss_shape"] == [] and got["all_dtensors"], (config, got)
         assert got["grads_like_shards"] and got["adam_state_like_shards"], (config, got)
         assert got["gathered_with_protocol"] == (config == "protocol"), (config, got)
-        rows_over = world // 2 if config in ("hsdp", "hsdp_reshard_to_2", "tp_2d") else world
+        assert got["quantized_bytes"] == (config == "quantized"), (config, got)
+        rows_over = world // 2 if config in ("hsdp", "hsdp_reshard_to_2", "tp_2d", "dp_mesh_dims") else world
         expected_rows = 64 if config == "shard_dim_1" else -(-64 // rows_over)
         assert got["embed_local_rows"] == expected_rows, (config, got)
 
