@@ -198,7 +198,7 @@ def test_generate_and_save_pretrained_round_trip(kind: str, tmp_path) -> None:
 
 def _accelerate_parity() -> dict:
     pytest.importorskip("accelerate")
-    from accelerate import Accelerator
+    from accelerate import Accelerator, PartialState
     from accelerate.state import AcceleratorState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
@@ -211,7 +211,8 @@ def _accelerate_parity() -> dict:
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=["GPT2Block"]
         )
         accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-        accelerator.state.distributed_type = DistributedType.FSDP  # CPU-only: accelerate would pick DDP
+        PartialState().distributed_type = DistributedType.FSDP  # CPU-only: accelerate would pick DDP; later
+        accelerator.state.distributed_type = DistributedType.FSDP  # AcceleratorState()s copy PartialState's
         accelerator.state.fsdp_plugin = plugin
         model = copy.deepcopy(reference)
         model, opt = accelerator.prepare(model, _sgd(model))  # accelerate re-points the optimizer at the shards
@@ -230,8 +231,10 @@ def _accelerate_parity() -> dict:
             for o in (opt, ref_opt):
                 o.step()
                 o.zero_grad()
+        still_fsdp2 = accelerator.is_fsdp2
     AcceleratorState._reset_state(True)
     return {
+        "still_fsdp2": still_fsdp2,
         "sharded": sharded,
         "losses": losses,
         "ref_losses": ref_losses,
@@ -244,6 +247,7 @@ def test_accelerate_fsdp2_through_use_as_torch_fsdp_at_parity() -> None:
     pytest.importorskip("accelerate")
     for r in run_on_ranks(2, _accelerate_parity):
         # accelerate's plan: each GPT2Block, the tied (final norm, wte, lm_head) group, the root
+        assert r["still_fsdp2"]  # PartialState set too: the optimizer wrapper's AcceleratorState() kept FSDP
         assert r["sharded"] == ["", "transformer.wte", "transformer.h.0", "transformer.h.1", "transformer.ln_f", "lm_head"], r["sharded"]
         assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, r
         assert r["grad_diff"] <= 1e-5 and r["param_diff"] <= 1e-5, r

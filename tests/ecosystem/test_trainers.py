@@ -171,29 +171,43 @@ def test_lightning_model_parallel_strategy_trains_like_torch_fsdp2(tmp_path) -> 
 HF_IMPLS = ["torch", "ours", "ddp"]  # ddp: the Trainer's own CPU default, the reference
 
 
+def cpu_fsdp_trainer_class() -> type:
+    """docs/trainers.md's ``CPUFSDPTrainer``: a ``Trainer`` that shards (and saves) with FSDP on a CPU-only machine.
+
+    accelerate picks MULTI_CPU (DDP) there whatever the FSDP arguments say. Switching only the
+    ``Accelerator``'s state is not enough: every later ``AcceleratorState()`` (the optimizer
+    wrapper ``prepare`` builds makes one) copies ``PartialState``'s distributed type back, and
+    ``save_model`` then takes the DDP path with sharded parameters. So both shared states are set.
+    """
+    from accelerate import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from transformers import Trainer
+
+    class CPUFSDPTrainer(Trainer):
+        def create_accelerator_and_postprocess(self) -> None:
+            super().create_accelerator_and_postprocess()
+            if self.args.fsdp_plugin_args is not None:
+                PartialState().distributed_type = DistributedType.FSDP
+                self.accelerator.state.distributed_type = DistributedType.FSDP
+                self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
+                self.is_fsdp_enabled = True
+
+    return CPUFSDPTrainer
+
+
 def _hf_trainer_run(impl: str, output_dir: str) -> dict:
     import transformers
     from accelerate.state import AcceleratorState
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule  # before any patch: torch's own class
-    from transformers import AutoModelForCausalLM, GPT2Config, Trainer, TrainerCallback, TrainingArguments
+    from transformers import AutoModelForCausalLM, GPT2Config, TrainerCallback, TrainingArguments
 
     from fsdp_compose import FSDPModule as OurFSDPModule
     from fsdp_compose_compat import use_as_torch_fsdp
 
     transformers.logging.set_verbosity_error()
 
-    class CPUFSDPTrainer(Trainer):
-        """On a CPU-only machine accelerate picks MULTI_CPU (DDP) whatever the FSDP arguments say; switch it to FSDP."""
-
+    class RecordingTrainer(cpu_fsdp_trainer_class()):
         losses: list[float]
-
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            if self.args.fsdp_plugin_args is not None:
-                self.accelerator.state.distributed_type = DistributedType.FSDP
-                self.accelerator.state.fsdp_plugin = FullyShardedDataParallelPlugin(**self.args.fsdp_plugin_args)
-                self.is_fsdp_enabled = True
 
         def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
@@ -245,12 +259,18 @@ def _hf_trainer_run(impl: str, output_dir: str) -> dict:
         )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config)
-        trainer = CPUFSDPTrainer(model=model, args=args, train_dataset=dataset, callbacks=[recorder])
+        trainer = RecordingTrainer(model=model, args=args, train_dataset=dataset, callbacks=[recorder])
         trainer.losses = []
         trainer.train()
         params = full_parameters(trainer.model)
+        distributed_type = str(trainer.accelerator.distributed_type)  # after training: nothing switched it back
     AcceleratorState._reset_state(True)
-    return {"losses": trainer.losses, "params": params, "sharding": sorted(recorder.seen)}
+    return {
+        "losses": trainer.losses,
+        "params": params,
+        "sharding": sorted(recorder.seen),
+        "distributed_type": distributed_type,
+    }
 
 
 def test_hf_trainer_fsdp2_through_use_as_torch_fsdp_trains_like_torch_fsdp2(tmp_path) -> None:
@@ -264,10 +284,80 @@ def test_hf_trainer_fsdp2_through_use_as_torch_fsdp_trains_like_torch_fsdp2(tmp_
         kind = "none" if impl == "ddp" else impl
         assert all(r["sharding"] == [(kind, kind)] for r in runs[impl]), (impl, [r["sharding"] for r in runs[impl]])
         assert all(len(r["losses"]) == STEPS for r in runs[impl]), impl
+        expected_type = "DistributedType.MULTI_CPU" if impl == "ddp" else "DistributedType.FSDP"
+        types = [r["distributed_type"] for r in runs[impl]]
+        assert types == [expected_type] * WORLD, (impl, types)
     assert_bit_for_bit(runs["torch"], runs["ours"])
     for ours, ddp in zip(runs["ours"], runs["ddp"]):
         assert max(abs(a - b) for a, b in zip(ours["losses"], ddp["losses"])) <= 1e-5, (ours["losses"], ddp["losses"])
         assert max((ours["params"][n] - ddp["params"][n]).abs().max().item() for n in ddp["params"]) <= 1e-5
+
+
+def _hf_trainer_save_run(output_dir: str) -> dict:
+    """Train sharded through the Trainer, ``save_model``, reload with ``from_pretrained`` on rank 0, compare logits."""
+    import transformers
+    from accelerate.state import AcceleratorState
+    from transformers import AutoModelForCausalLM, GPT2Config, TrainingArguments
+
+    from fsdp_compose import FSDPModule
+    from fsdp_compose_compat import use_as_torch_fsdp
+
+    transformers.logging.set_verbosity_error()
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0)
+    gen = torch.Generator().manual_seed(0)
+    dataset = [
+        {"input_ids": ids, "labels": ids} for ids in torch.randint(0, 64, (STEPS * WORLD * PER_RANK, 8), generator=gen)
+    ]
+    prompt = torch.randint(0, 64, (2, 8), generator=gen)  # the same on every rank
+    saved_dir = os.path.join(output_dir, "final")
+    try:
+        with torchrun_environment(), use_as_torch_fsdp():
+            args = TrainingArguments(
+                output_dir=output_dir,
+                use_cpu=True,
+                per_device_train_batch_size=PER_RANK,
+                max_steps=STEPS,
+                learning_rate=1e-2,
+                seed=0,
+                report_to="none",
+                save_strategy="no",
+                disable_tqdm=True,
+                fsdp="full_shard",
+                fsdp_config={"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["GPT2Block"]},
+            )
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(config).eval()
+            with torch.no_grad():
+                untrained_logits = model(input_ids=prompt).logits
+            trainer = cpu_fsdp_trainer_class()(model=model, args=args, train_dataset=dataset)
+            trainer.train()
+            trainer.save_model(saved_dir)  # every rank: accelerate gathers the full state dict, rank 0 writes it
+            trained = trainer.model.eval()
+            with torch.no_grad():
+                logits = trained(input_ids=prompt).logits  # the sharded model: every rank runs the forward
+            result = {
+                "sharded": isinstance(trained.transformer.h[0], FSDPModule),
+                "distributed_type": str(trainer.accelerator.distributed_type),
+            }
+            if dist.get_rank() == 0:
+                reloaded = AutoModelForCausalLM.from_pretrained(saved_dir).eval()
+                with torch.no_grad():
+                    reloaded_logits = reloaded(input_ids=prompt).logits
+                result["max_logit_diff"] = (reloaded_logits - logits).abs().max().item()
+                result["trained"] = not torch.equal(logits, untrained_logits)
+            dist.barrier()
+    finally:
+        AcceleratorState._reset_state(True)
+    return result
+
+
+def test_hf_trainer_save_model_reloads_with_from_pretrained(tmp_path) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    results = run_on_ranks(WORLD, _hf_trainer_save_run, str(tmp_path), timeout=RUN_TIMEOUT_S)
+    assert all(r["sharded"] and r["distributed_type"] == "DistributedType.FSDP" for r in results), results
+    assert results[0]["trained"] and results[0]["max_logit_diff"] <= 1e-6, results[0]
+    assert (tmp_path / "final" / "model.safetensors").exists()
 
 
 # --- peft LoRA: frozen base weights and trainable adapters in the same groups --------------------------------------
@@ -328,3 +418,48 @@ def test_peft_lora_trains_like_torch_fsdp2() -> None:
         assert max(abs(a - b) for a, b in zip(r["mean_losses"], r["ref_losses"])) <= 1e-5, r
         assert r["param_diff"] <= 1e-5, r["param_diff"]
     assert_bit_for_bit(runs["torch"], runs["ours"])
+
+
+def _peft_adapter_save_run(out_dir: str) -> dict:
+    """Train a LoRA adapter on a sharded model, save it from the gathered state dict, reload on an unsharded base."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors.torch import load_file
+
+    from fsdp_compose import full_state_dict, fully_shard
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = get_peft_model(TinyLM(), LoraConfig(r=4, target_modules=["fc1", "fc2"], init_lora_weights=False))
+    for block in model.base_model.model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(STEPS):
+        lm_loss(model, local_slice(global_batch(step, WORLD, PER_RANK), rank, WORLD)).backward()
+        opt.step()
+        opt.zero_grad()
+    prompt = global_batch(STEPS, WORLD, PER_RANK)  # the same on every rank
+    with torch.no_grad():
+        logits = model(prompt)  # the sharded model: every rank runs the forward
+    state_dict = full_state_dict(model)  # every rank; rank 0 gets every tensor, base and adapters
+    result = {}
+    if rank == 0:
+        model.save_pretrained(out_dir, state_dict=state_dict)  # peft keeps the adapter's keys only
+        torch.manual_seed(0)
+        reloaded = PeftModel.from_pretrained(TinyLM(), out_dir)  # the same base weights, unsharded
+        with torch.no_grad():
+            result["max_logit_diff"] = (reloaded(prompt) - logits).abs().max().item()
+            with reloaded.disable_adapter():
+                result["base_logit_diff"] = (reloaded(prompt) - logits).abs().max().item()
+        result["saved_keys"] = sorted(load_file(os.path.join(out_dir, "adapter_model.safetensors")))
+    dist.barrier()
+    return result
+
+
+def test_peft_adapter_saved_from_sharded_model_reloads_on_unsharded_base(tmp_path) -> None:
+    pytest.importorskip("peft")
+    results = run_on_ranks(WORLD, _peft_adapter_save_run, str(tmp_path / "adapter"), timeout=RUN_TIMEOUT_S)
+    saved = results[0]
+    assert len(saved["saved_keys"]) == 12 and all(".lora_" in key for key in saved["saved_keys"]), saved["saved_keys"]
+    assert saved["max_logit_diff"] <= 1e-6, saved
+    assert saved["base_logit_diff"] > 1e-3, saved  # the adapter changes the output: it was trained and loaded
