@@ -15,7 +15,7 @@ BEYOND_FSDP2 = {
     "apply_fully_shard", "ShardPlan", "WrapPolicy", "ModuleWrapPolicy", "CustomPolicy", "SizeBasedPolicy",
     "init_sharded_parameters", "sync_module_states", "full_state_dict", "load_full_state_dict",
     "summon_full_params", "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "checkpoint_exists",
-    "CheckpointError", "Comm", "AllGather", "ReduceScatter", "explain", "Explanation", "collective_bytes",
+    "CheckpointError", "Comm", "AllGather", "ReduceScatter", "explain", "Explanation", "collective_bytes", "estimate", "Estimate",
     "ExecutionOrderError", "CollectiveError",
 }
 
