@@ -12,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from fsdp_compose import estimate
 from fsdp_compose.observe.estimate import CATEGORIES, estimate_many
 from fsdp_compose.observe.storage import StorageTracker
 from fsdp_compose.runtime.state import states_in
@@ -110,3 +111,8 @@ def test_like_nccl_holds_reduce_inputs_and_agrees_with_explain(estimates):
         "blocks.1",
     ):
         assert line in text, (line, text)
+
+
+def test_a_subprocess_past_its_timeout_is_killed():
+    with pytest.raises(TimeoutError, match="did not finish in 1 s"):
+        estimate(fp32, world_size=2, timeout=1)
