@@ -3,6 +3,11 @@
 ``fully_shard(module)`` shards a module's parameters on dim 0 across ranks (as DTensors),
 all-gathers them just before use and reduce-scatters their gradients. Code written for
 torch's FSDP2 ``fully_shard`` runs after changing the import.
+
+Beyond FSDP2: ``explain(model)`` prints the sharding plan with its traffic and predicted memory;
+``estimate(build, world_size=N)`` answers "will it fit?" before a launch, running one training
+step of ``build``'s model as one of ``N`` ranks on fake tensors in a subprocess and reporting the
+per-rank peak memory by category (activations included) and the collectives per step.
 """
 
 from .api import fully_shard
@@ -11,6 +16,7 @@ from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .module_knobs import share_comm_ctx
+from .observe.estimate import Estimate, estimate
 from .observe.explain import Explanation, collective_bytes, explain
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .quantize import quantize_all_gather
@@ -56,6 +62,8 @@ __all__ = [
     "checkpoint_exists",
     "CheckpointError",
     "explain",
+    "estimate",
+    "Estimate",
     "Explanation",
     "collective_bytes",
     "ExecutionOrderError",

@@ -16,7 +16,7 @@ BEYOND_FSDP2 = {
     "init_sharded_parameters", "sync_module_states", "full_state_dict", "load_full_state_dict",
     "summon_full_params", "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "checkpoint_exists",
     "CheckpointError", "Comm", "AllGather", "ReduceScatter", "explain", "Explanation", "collective_bytes",
-    "ExecutionOrderError", "CollectiveError", "quantize_all_gather",
+    "estimate", "Estimate", "ExecutionOrderError", "CollectiveError", "quantize_all_gather",
 }
 
 

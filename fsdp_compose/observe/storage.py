@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 class StorageTracker(TorchDispatchMode):
@@ -48,7 +48,9 @@ class StorageTracker(TorchDispatchMode):
             if flatten is not None:  # DTensor and friends: count the tensors inside
                 for name in flatten()[0]:
                     self._see(getattr(t, name))
-            return
+                return
+            if not isinstance(t, FakeTensor):  # fake tensors have storages with sizes: counted
+                return
         if t.device.type == "meta" or (self.devices is not None and t.device.type not in self.devices):
             return
         storage = t.untyped_storage()
@@ -84,7 +86,7 @@ class StorageTracker(TorchDispatchMode):
     # ----- dispatch ---------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for t in tree_flatten((args, kwargs, out))[0]:
+        for t in tensors_in((args, kwargs, out)):
             self._see(t)
         if func is torch.ops.aten.resize_.default:
             self._resized(args[0].untyped_storage())
@@ -105,3 +107,16 @@ class StorageTracker(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._original_resize
         return super().__exit__(*exc)
+
+
+def tensors_in(obj: object) -> Iterator[torch.Tensor]:
+    """The tensors in an operator's arguments and results (nested tuples, lists, dicts): a cheaper
+    ``tree_flatten``, which costs more than the operator itself under ``FakeTensorMode``."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (tuple, list)):
+        for item in obj:
+            yield from tensors_in(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from tensors_in(item)

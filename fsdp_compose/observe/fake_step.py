@@ -1,0 +1,180 @@
+"""The subprocess behind ``estimate``: one training step on fake tensors at the target world size.
+
+Run as ``python -m fsdp_compose.observe.fake_step SPEC OUT`` (``SPEC``: a JSON file naming the
+build function or holding it pickled; ``OUT``: where the JSON result goes; stdout is the user's).
+Torch's fake process group stands in for the ranks (rank ``rank`` of ``world_size``; every
+collective returns at once, moving nothing) and ``FakeTensorMode`` for the memory: tensors have
+shapes, dtypes and storages but no data, so a 70B-parameter step costs only Python time.
+"""
+
+from __future__ import annotations
+
+import base64
+import importlib
+import json
+import pickle
+import sys
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..runtime.state import states_in
+from .explain import explain
+from .timeline import UNLABELLED, CollectiveTimeline
+
+PARAMETERS = "parameters"
+GRADIENTS = "gradients"
+OPTIMIZER_STATE = "optimizer state"
+UNSHARDED_PARAMETERS = "unsharded parameters"
+UNSHARDED_GRADIENTS = "unsharded gradients"
+
+
+def load_build(spec: dict) -> Callable[[], Any]:
+    if "pickled" in spec:
+        return pickle.loads(base64.b64decode(spec["pickled"]))
+    target: Any = importlib.import_module(spec["module"])
+    for part in spec["qualname"].split("."):
+        target = getattr(target, part)
+    return target
+
+
+def unpack(built: Any) -> tuple[nn.Module, Any, Callable[[], torch.Tensor]]:
+    if not (isinstance(built, tuple) and len(built) == 3 and isinstance(built[0], nn.Module) and callable(built[2])):
+        raise TypeError(
+            "estimate: build() must return (model, optimizer, loss_fn): the sharded nn.Module, a torch "
+            "optimizer or a function of the parameters making one, and a function of no arguments returning "
+            f"one batch's loss; got {type(built).__name__}"
+        )
+    return built
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def _stats(model: nn.Module) -> dict[str, list[int]]:
+    out = {"all-gather": [0, 0], "reduce-scatter": [0, 0], "all-reduce": [0, 0]}
+    for _, state in states_in(model):
+        s = state.group.stats
+        for kind, calls, nbytes in (
+            ("all-gather", s.all_gathers, s.all_gather_bytes),
+            ("reduce-scatter", s.reduce_scatters, s.reduce_scatter_bytes),
+            ("all-reduce", s.all_reduces, s.all_reduce_bytes),
+        ):
+            out[kind][0] += calls
+            out[kind][1] += nbytes
+    return out
+
+
+def _step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, timeline: CollectiveTimeline | None) -> None:
+    def phase(name: str) -> None:
+        if timeline is not None:
+            timeline.enter_phase(name)
+
+    phase("forward")
+    loss = loss_fn()
+    phase("backward")
+    loss.backward()
+    del loss
+    if timeline is not None:  # the sharded gradients, now that they exist
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        timeline.label(grads, GRADIENTS)
+    phase("optimizer step")
+    optimizer.step()
+    if timeline is not None:
+        timeline.label(_optimizer_tensors(optimizer), OPTIMIZER_STATE)
+    optimizer.zero_grad()
+
+
+def _phase_of(timeline: CollectiveTimeline, event: int) -> str:
+    """The phase an event belongs to: the last phase whose first event is not after it."""
+    found = "-"
+    for phase, first in timeline.phase_starts:
+        if first <= event:
+            found = phase
+    return found
+
+
+def measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, hold_reduce_inputs: bool) -> dict:
+    """One step under a ``CollectiveTimeline``: the peak, its bytes by category, the traffic."""
+    timeline = CollectiveTimeline(hold_reduce_inputs, inherited=frozenset({UNSHARDED_GRADIENTS}))
+    timeline.label(list(model.parameters()) + list(model.buffers()), PARAMETERS)
+    timeline.label(_optimizer_tensors(optimizer), OPTIMIZER_STATE)
+    handles = []
+    for _, state in states_in(model):
+        for p in state.group.params:
+            if p.unsharded_param is None:
+                continue
+            timeline.label([p.unsharded_param], UNSHARDED_PARAMETERS)
+            if p.unsharded_param.requires_grad:  # a pre-hook: sees the gradient before the runtime reduces it
+                handles.append(p.unsharded_param.register_hook(lambda g: timeline.label([g], UNSHARDED_GRADIENTS)))
+    before = _stats(model)
+    try:
+        with timeline:
+            _step(model, optimizer, loss_fn, timeline)
+    finally:
+        for h in handles:
+            h.remove()
+    after = _stats(model)
+    without, event = timeline.peak_without(UNLABELLED)
+    return {
+        "peak_without_activations": without,
+        "phase_without_activations": _phase_of(timeline, event),
+        "peak_bytes": timeline.peak,
+        "peak_phase": _phase_of(timeline, timeline.peak_event),
+        "at_peak": timeline.live_at(timeline.peak_event),
+        "phase_peaks": {p: b for p, (b, _) in timeline.phase_peaks.items() if p != "-"},
+        "collectives": {k: [after[k][0] - before[k][0], after[k][1] - before[k][1]] for k in after},
+    }
+
+
+def run(spec: dict) -> dict:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    warnings.simplefilter("ignore")
+    world, rank = spec["world_size"], spec["rank"]
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    try:
+        started = time.perf_counter()
+        model, optimizer, loss_fn = unpack(load_build(spec)())
+        built = time.perf_counter()
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")  # meta or real parameters become fake ones; values do not matter
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                optimizer = optimizer(model.parameters())
+            for _ in range(spec["warmup_steps"]):  # the first records the order; optimizer state appears
+                _step(model, optimizer, loss_fn, None)
+            plan = explain(model, optimizer)
+            result = measured_step(model, optimizer, loss_fn, spec["hold_reduce_inputs"])
+        result.update(
+            world_size=world,
+            rank=rank,
+            plan=str(plan),
+            predicted_peak_bytes=plan.totals.predicted_peak_bytes,
+            build_seconds=round(built - started, 2),
+            step_seconds=round((time.perf_counter() - built) / (spec["warmup_steps"] + 1), 2),
+            seconds=round(time.perf_counter() - started, 2),
+        )
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def main(argv: list[str]) -> None:
+    spec_path, out_path = argv
+    with open(spec_path) as f:
+        spec = json.load(f)
+    sys.path[:0] = [p for p in spec.get("sys_path", []) if p not in sys.path]
+    results = [run(job) for job in spec["jobs"]]  # each with its own process group, model and fake mode
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,187 @@
+"""A storage tracker that remembers what was live when: the peak's bytes split by category.
+
+``StorageTimeline`` counts like ``StorageTracker`` (tensor storages, not RSS) and also keeps each
+storage's lifetime as segments ``[start, end)`` of an event counter. Categories are labels put
+on storages by identity, during the run (collective buffers, as the ``c10d`` operators see
+them; unsharded gradients, as autograd hands them over) or afterwards (sharded parameters,
+gradients, optimizer state): the peak's composition is computed at the end from the segments
+live at the peak's event, so a storage labelled after it died still counts in its category.
+It works under ``FakeTensorMode`` (fake tensors have storages with sizes and identities).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+
+import torch
+
+from .storage import StorageTracker, tensors_in
+
+UNLABELLED = "activations"
+
+
+class StorageTimeline(StorageTracker):
+    """``StorageTracker`` plus segments, labels and a peak per phase (``phase`` names the current one)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.RLock()  # a storage may die (weakref callback) while one is counted
+        self.event = 0
+        self.phase = "-"
+        self.phase_starts: list[tuple[str, int]] = []  # (phase, its first event)
+        self.phase_peaks: dict[str, tuple[int, int]] = {}  # phase -> (bytes, event)
+        self.peak_event = 0
+        self._serial: dict[int, int] = {}  # id(storage) -> serial
+        self._opened: dict[int, tuple[int, int]] = {}  # serial -> (start event, bytes) of its live segment
+        self._segments: list[tuple[int, int, int, int]] = []  # (start, end, bytes, serial), closed
+        self.labels: dict[int, str] = {}  # serial -> category
+        self._next_serial = 0
+
+    def enter_phase(self, name: str) -> None:
+        self.phase = name
+        self.phase_starts.append((name, self.event + 1))
+
+    # ----- labelling ------------------------------------------------------------------------
+    def serial_of(self, t: torch.Tensor) -> int | None:
+        """The serial of ``t``'s storage if the timeline has seen it (DTensors: their local tensor)."""
+        local = getattr(t, "_local_tensor", t)
+        if not isinstance(local, torch.Tensor) or local.device.type == "meta":
+            return None
+        storage = local.untyped_storage()
+        ref = self._refs.get(id(storage))
+        if ref is None or ref() is not storage:
+            return None
+        return self._serial[id(storage)]
+
+    def label(self, tensors: Iterable[object], category: str, override: bool = True) -> None:
+        """Put ``category`` on the storages of ``tensors`` (first seeing any not seen yet)."""
+        for t in tensors:
+            if not isinstance(t, torch.Tensor):
+                continue
+            self._see(t)
+            serial = self.serial_of(t)
+            if serial is not None and (override or serial not in self.labels):
+                self.labels[serial] = category
+
+    # ----- composition ----------------------------------------------------------------------
+    def live_at(self, event: int) -> dict[str, int]:
+        """Bytes by category of the storages live just after ``event``."""
+        out: dict[str, int] = {}
+        segments = self._segments + [(start, None, size, serial) for serial, (start, size) in self._opened.items()]
+        for start, end, size, serial in segments:
+            if start <= event and (end is None or end > event) and size:
+                category = self.labels.get(serial, UNLABELLED)
+                out[category] = out.get(category, 0) + size
+        return out
+
+    def peak_without(self, category: str) -> tuple[int, int]:
+        """(bytes, event) of the largest sum of the storages not in ``category`` over the run."""
+        changes: dict[int, int] = {}
+        segments = self._segments + [(start, None, size, serial) for serial, (start, size) in self._opened.items()]
+        for start, end, size, serial in segments:
+            if size and self.labels.get(serial, UNLABELLED) != category:
+                changes[start] = changes.get(start, 0) + size
+                if end is not None:
+                    changes[end] = changes.get(end, 0) - size
+        best = (0, 0)
+        total = 0
+        for event in sorted(changes):
+            total += changes[event]
+            if total > best[0]:
+                best = (total, event)
+        return best
+
+    # ----- counting (StorageTracker's, with segments) ---------------------------------------
+    def _tick(self) -> None:
+        self.event += 1
+        if self.current > self.peak:
+            self.peak, self.peak_event = self.current, self.event
+        best = self.phase_peaks.get(self.phase)
+        if best is None or self.current > best[0]:
+            self.phase_peaks[self.phase] = (self.current, self.event)
+
+    def _open(self, serial: int, size: int) -> None:
+        self._opened[serial] = (self.event + 1, size)
+        self.current += size
+        self._tick()
+
+    def _close(self, serial: int) -> None:
+        start, size = self._opened.pop(serial)
+        self._segments.append((start, self.event + 1, size, serial))
+        self.current -= size
+        self._tick()
+
+    def _add(self, key: int, storage: torch.UntypedStorage) -> None:
+        with self._lock:
+            serial = self._next_serial
+            self._next_serial += 1
+            self._refs[key] = weakref.ref(storage, lambda _ref, key=key: self._forget(key))
+            self._serial[key] = serial
+            self._sizes[key] = storage.nbytes()
+            self._open(serial, self._sizes[key])
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._sizes.pop(key, None)
+            self._refs.pop(key, None)
+            serial = self._serial.pop(key, None)
+            if serial is not None:
+                self._close(serial)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        ref = self._refs.get(key)
+        if ref is None or ref() is not storage:
+            self._add(key, storage)
+            return
+        with self._lock:  # a new segment of the same storage: same serial, same label
+            serial = self._serial[key]
+            self._close(serial)
+            self._sizes[key] = storage.nbytes()
+            self._open(serial, self._sizes[key])
+
+
+COLLECTIVE_BUFFERS = "collective buffers"
+_DEVICE = torch.ops.prim.device.default
+
+
+class CollectiveTimeline(StorageTimeline):
+    """Also labels the tensors of ``c10d`` operators as collective buffers (without replacing a
+    label already put, e.g. on a shard sent as it is, except an ``inherited`` one).
+
+    ``inherited``: labels that pass from an operator's inputs to its new outputs (an unsharded
+    gradient's copy in the reduce dtype is still that gradient). ``hold_reduce_inputs``: keep each
+    reduce-scatter input alive until its output is next used (after the wait), as NCCL does; the
+    fake process group and gloo let it go when the collective is issued."""
+
+    def __init__(self, hold_reduce_inputs: bool, inherited: frozenset[str] = frozenset()) -> None:
+        super().__init__()
+        self.hold_reduce_inputs = hold_reduce_inputs
+        self.inherited = inherited
+        self._held: dict[int, torch.Tensor] = {}  # serial of a reduce-scatter output -> its input
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE:  # asked for every fake tensor's device by autograd: no storage to count
+            return func(*args)
+        serials = [self.serial_of(t) for t in tensors_in(args)]
+        if self._held and func.namespace != "c10d":
+            for serial in serials:
+                self._held.pop(serial, None)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        if func.namespace == "c10d":
+            tensors = [t for t in args if isinstance(t, torch.Tensor)]
+            for t in tensors:
+                serial = self.serial_of(t)
+                if serial is not None and (serial not in self.labels or self.labels[serial] in self.inherited):
+                    self.labels[serial] = COLLECTIVE_BUFFERS
+            if self.hold_reduce_inputs and "reduce_scatter" in str(func) and len(tensors) >= 2:
+                serial = self.serial_of(tensors[0])
+                if serial is not None:
+                    self._held[serial] = tensors[1]
+        elif self.inherited and self.labels:
+            found = next((self.labels[s] for s in serials if self.labels.get(s) in self.inherited), None)
+            if found is not None:
+                self.label(tensors_in(out), found, override=False)
+        return out
