@@ -20,7 +20,7 @@ from .collectives import (
 )
 from .comm_options import CommOptions
 from .grad_off import grad_off
-from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, handshake_kinds
+from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, gloo_handshake_kinds, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
 from .params import ShardedParam
@@ -56,7 +56,7 @@ class ParamGroup:
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
         self.header = make_header(self.uid, device) if tag_in_data() else None
-        self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
+        self.handshakes = Handshakes(self.uid, handshake_kinds(), device, gloo_handshake_kinds())
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         # built by the first reduce: (dtype, params, bytes one rank sends, ranks their rows reach if not all)
