@@ -20,7 +20,7 @@ from .collectives import (
 )
 from .comm_options import CommOptions
 from .grad_off import grad_off
-from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, gloo_handshake_kinds, handshake_kinds
+from .handshake import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes, gloo_handshake_kinds, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
 from .params import ShardedParam
@@ -331,6 +331,7 @@ class ParamGroup:
                 self._partial[reduced.dtype] = reduced
                 return
             with labelled("all_reduce", self):
+                self._handshake(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
         received = None if accumulate_all else reduced[-len(params) :].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas

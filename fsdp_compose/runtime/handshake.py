@@ -24,7 +24,8 @@ all-gather grows with it. gloo is left out because its all-reduce of a few bytes
 twice its all-gather's round trips (measured at 2 ranks: 0.85 to 1.4 ms against 0.26 to 0.52 ms).
 
 ``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers, and
-on gloo before reduce-scatters too (no in-data tag: the handshake proves what it would);
+on gloo before reduce-scatters and HSDP's all-reduces across replicas too (no in-data tag: the
+handshake proves what it would);
 ``strict`` handshake before reduce-scatters on every backend; ``tag`` the 16-byte tag inside
 each all-gather only (no extra collective, catches reordered groups of equal size); ``0`` none.
 
@@ -47,8 +48,8 @@ from .clean_tls import python_free_tls
 from .handshake_ledger import Entry, Ledgers, diverged_message
 from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
 
-KINDS = {1: "all-gather", 2: "reduce-scatter"}
-ALL_GATHER, REDUCE_SCATTER = 1, 2
+KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3  # ALL_REDUCE: HSDP's sum across replicas
 
 
 class CollectiveError(RuntimeError):
@@ -68,8 +69,12 @@ def gloo_handshake_kinds() -> frozenset[int]:
 
     On gloo the handshake is a host-side check before the collective, which is what keeps a
     divergence from reaching gloo's abort; a reduce-scatter's adds one tiny all-gather per
-    reduction (about 0.3 ms on loopback, docs/benchmarks.md)."""
-    return frozenset() if os.environ.get(CHECK_ENV, "1") in ("0", "tag") else frozenset((ALL_GATHER, REDUCE_SCATTER))
+    reduction (about 0.3 ms on loopback, docs/benchmarks.md). HSDP's all-reduce across replicas
+    gets one too: ranks of different replicas never meet in a shard group's handshake, so
+    replicas that ran different modules would otherwise sum different groups' gradients."""
+    if os.environ.get(CHECK_ENV, "1") in ("0", "tag"):
+        return frozenset()
+    return frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
 ALL_REDUCE_FROM = 9  # ranks from which a non-gloo group's handshake is an all-reduce

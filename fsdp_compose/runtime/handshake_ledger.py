@@ -32,16 +32,16 @@ from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
 from .order_check import MAGIC, ExecutionOrderError
 
-KINDS = {1: "all-gather", 2: "reduce-scatter"}
+KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}
 SLOTS = 256  # rows per ledger buffer: a round closes early when they are used up
 RANK_BITS = 20  # the packed form's low bits: ranks of groups up to 2**20
 SHORT_MAGIC = MAGIC >> 24  # 40 bits, so a packed field fits in int64
 _FIELD_LIMIT = 1 << (63 - RANK_BITS)
 BACKWARD_HINT = (
-    "\n(a reduce-scatter runs when a module's backward is done: ranks reach different ones when a rank skipped or "
-    "repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient "
-    "this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; "
-    "such a rank reduces that module only when backward ends)"
+    "\n(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks "
+    "reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches "
+    "without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. "
+    "skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)"
 )
 FOUND_LATE = (
     "\n(on this backend the handshakes are compared on the device and judged when a step's backward ends, "
@@ -51,7 +51,7 @@ FOUND_LATE = (
 
 def diverged_message(lines: list[str], kinds: list[int]) -> str:
     """The error every rank raises, from one line per rank named and the collective kinds in them."""
-    hint = BACKWARD_HINT if 2 in kinds else ""  # 2: a reduce-scatter
+    hint = BACKWARD_HINT if 2 in kinds or 3 in kinds else ""  # a reduce-scatter or HSDP's all-reduce
     return (
         "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
         "a sharded module, ran a different number of forward calls, or ran modules in another order; "

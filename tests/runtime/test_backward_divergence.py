@@ -179,7 +179,7 @@ def test_a_block_skipped_on_one_rank_is_named():
 ExecutionOrderError: Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
   rank 0: reduce-scatter of 'blocks.1' (MaybeSkippedBlock), 2160 bytes
   rank 1: reduce-scatter of 'blocks.0' (MaybeSkippedBlock), 2160 bytes
-(a reduce-scatter runs when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)""",
+(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)""",
     )
     assert_expected_inline(
         _rank_lines(_same_everywhere("skip_block", 3)),
@@ -309,4 +309,43 @@ def test_a_rank_whose_exception_ends_its_process_fails_its_peers_at_once():
     assert float(seconds) < 10, outputs
     assert_expected_inline(
         message, """CollectiveError: rank 0: the handshake before the all-gather of 'blocks.2' (Block) failed; ..."""
+    )
+
+
+def _replicas_diverge() -> tuple[str, float]:
+    """HSDP on a 2x2 mesh: both ranks of the second replica skip ``blocks.1``'s computation, so each
+    shard group agrees within itself and only the all-reduce across replicas pairs different groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(0)
+    model = SkippingLM()
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.blocks[1].skip = mesh.get_local_rank("replicate") == 1
+    started = time.monotonic()
+    try:
+        lm_loss(model, _batch(0)).backward()
+        message = "no error"
+    except (ExecutionOrderError, CollectiveError) as error:
+        message = f"{type(error).__name__}: {error}"
+    return message, time.monotonic() - started
+
+
+def test_hsdp_replicas_that_diverge_are_named():
+    """Before, the replicas' all-reduces paired ``blocks.1`` with ``blocks.0`` (equal sizes here:
+    silently mixed gradients; different sizes: gloo's abort)."""
+    results = run_on_ranks(4, _replicas_diverge, timeout=60)
+    assert max(seconds for _, seconds in results) < 10, results
+    assert results[0][0] == results[2][0] and results[1][0] == results[3][0], results
+    assert_expected_inline(
+        results[0][0] + "\n" + _rank_lines(results[1][0]),
+        """\
+ExecutionOrderError: Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: all-reduce of 'blocks.1' (MaybeSkippedBlock), 2160 bytes
+  rank 2: all-reduce of 'blocks.0' (MaybeSkippedBlock), 2160 bytes
+(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)
+  rank 1: all-reduce of 'blocks.1' (MaybeSkippedBlock), 2160 bytes
+  rank 3: all-reduce of 'blocks.0' (MaybeSkippedBlock), 2160 bytes""",
     )
