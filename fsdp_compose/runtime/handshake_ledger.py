@@ -32,7 +32,8 @@ from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
 from .order_check import MAGIC, ExecutionOrderError
 
-KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}
+KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}  # as in handshake.py
+BACKWARD_KINDS = (2, 3)  # the reduce-scatter and HSDP's all-reduce: issued when a module's backward is done
 SLOTS = 256  # rows per ledger buffer: a round closes early when they are used up
 RANK_BITS = 20  # the packed form's low bits: ranks of groups up to 2**20
 SHORT_MAGIC = MAGIC >> 24  # 40 bits, so a packed field fits in int64
@@ -51,7 +52,7 @@ FOUND_LATE = (
 
 def diverged_message(lines: list[str], kinds: list[int]) -> str:
     """The error every rank raises, from one line per rank named and the collective kinds in them."""
-    hint = BACKWARD_HINT if 2 in kinds or 3 in kinds else ""  # a reduce-scatter or HSDP's all-reduce
+    hint = BACKWARD_HINT if any(kind in BACKWARD_KINDS for kind in kinds) else ""
     return (
         "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
         "a sharded module, ran a different number of forward calls, or ran modules in another order; "

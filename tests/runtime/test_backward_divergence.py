@@ -258,13 +258,14 @@ def test_a_rank_raising_between_forward_and_backward_then_resetting(world_size):
 
 
 EXITING_PEER = """
-import os, sys, time
+import os, time
 import torch, torch.distributed as dist
 from fsdp_compose import fully_shard
 from tests.models import TinyLM, global_batch, lm_loss, local_slice
 
 rank = int(os.environ["RANK"])
-dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"], rank=rank, world_size=2)
+store = dist.TCPStore("127.0.0.1", int(os.environ["PORT"]), is_master=False)  # the test's store
+dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
 torch.manual_seed(0)
 model = TinyLM(n_blocks=3)
 for block in model.blocks:
@@ -285,11 +286,8 @@ except RuntimeError as error:
 def test_a_rank_whose_exception_ends_its_process_fails_its_peers_at_once():
     """Without recovery the raising rank's process ends; its peers' next collective fails as soon as
     gloo sees the closed connection, naming the module (not at the 30-minute timeout)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # binds a free port itself
+    port = str(store.port)
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, PORT=port, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", PYTHONPATH=root)
     procs = [
@@ -303,7 +301,11 @@ def test_a_rank_whose_exception_ends_its_process_fails_its_peers_at_once():
         )
         for rank in range(2)
     ]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
     assert [proc.returncode for proc in procs] == [0, 1], outputs
     seconds, message = outputs[0][0].strip().splitlines()
     assert float(seconds) < 10, outputs
