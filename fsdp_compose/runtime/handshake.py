@@ -10,7 +10,9 @@ pair of handshakes (equal 32-byte all-gathers), so no divergence reaches gloo's 
 that skipped a sharded module, ran a different number of forward calls, gathered a different
 group of any size, skipped or repeated ``backward()``, ran a different number of micro-batches
 without gradient sync, or whose module left some parameters without a gradient this step (it
-reduces that module only when backward ends, out of order with the other ranks).
+reduces that module only when backward ends, out of order with the other ranks). What no
+handshake can tell: a rank that runs one more whole step (or synced micro-batch) than the others
+issues the same collectives as their next step, so nothing differs until the others stop.
 
 That is the gloo path; on other backends, where each host read is a sync with the device, only
 all-gathers are handshaked by default and the handshakes are judged once per step without a
