@@ -237,6 +237,9 @@ def report(per_rank, world_size: int, args) -> None:
         print(f"(f) divergence handshake (issue 12): ours default {t['ours']:.3f}s  checks off {off:.3f}s  "
               f"default/off = {t['ours'] / off:.4f} (ratio of medians), {paired:.4f} (median of per-round "
               "ratios); target <= 1.02")
+        off_cpu = statistics.median(per_rank[0][OURS_UNCHECKED]["cpu"])
+        print(f"    by CPU seconds per step (rank 0, all threads; blind to waiting, steadier under load): default "
+              f"{cpu['ours']:.3f}  off {off_cpu:.3f}  default/off = {cpu['ours'] / off_cpu:.4f}")
     if args.transport_shm:
         print_shm(per_rank, t, cpu, live, mib)
     spent = per_rank[0]["handshakes"]

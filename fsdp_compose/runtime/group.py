@@ -20,7 +20,7 @@ from .collectives import (
 )
 from .comm_options import CommOptions
 from .grad_off import grad_off
-from .handshake import ALL_GATHER, REDUCE_SCATTER, Handshakes, handshake_kinds
+from .handshake import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes, gloo_handshake_kinds, handshake_kinds
 from .labels import labelled
 from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
 from .params import ShardedParam
@@ -56,7 +56,7 @@ class ParamGroup:
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
         self.header = make_header(self.uid, device) if tag_in_data() else None
-        self.handshakes = Handshakes(self.uid, handshake_kinds(), device)
+        self.handshakes = Handshakes(self.uid, handshake_kinds(), device, gloo_handshake_kinds())
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         # built by the first reduce: (dtype, params, bytes one rank sends, ranks their rows reach if not all)
@@ -331,6 +331,7 @@ class ParamGroup:
                 self._partial[reduced.dtype] = reduced
                 return
             with labelled("all_reduce", self):
+                self._handshake(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
         received = None if accumulate_all else reduced[-len(params) :].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas

@@ -2,32 +2,38 @@
 
 gloo cannot report a collective whose ranks disagree: buffers of different sizes abort the
 process inside gloo ("op.preamble.length <= op.nbytes"), and different collectives hang. So,
-by default, each group's all-gather is preceded by a handshake on (magic, group id, kind,
-bytes); if any rank's entry differs, every rank raises the same ``ExecutionOrderError`` naming
-what each rank was about to run, before the real collective is issued. That is the gloo path;
-on other backends, where each host read is a sync with the device, the handshakes are judged
-once per step without a read per collective (``handshake_ledger.py``); the all-reduce form
-below stays here for tests that force it onto gloo. On gloo, and on any
-group of at most ``ALL_REDUCE_FROM`` - 1 ranks, the handshake all-gathers the 32-byte entries.
-On larger groups it is one all-reduce (max) of the entry and its negation,
-which gives every rank the largest and the smallest entry of each field (equal everywhere
-means all agree; otherwise every rank sees the same disagreement and all-gathers the entries,
-only then, to name them): 64 bytes whatever the world size, where the all-gather grows with
-it. gloo is left out because its all-reduce of a few bytes takes about twice its all-gather's
-round trips (measured at 2 ranks: 0.85 to 1.4 ms against 0.26 to 0.52 ms). This catches a
-rank that skipped a sharded module (data-dependent control flow), ran a different number of
-forward calls, or gathered a different group of any size. Reduce-scatters follow the
-autograd graph of an already-checked forward, so only ``strict`` mode checks them as well
-(for a rank that skips ``backward`` altogether).
+by default, on gloo each group's all-gather and each reduce-scatter is preceded by a handshake
+on (magic, group id, kind, bytes); if any rank's entry differs, every rank raises the same
+``ExecutionOrderError`` naming what each rank was about to run, before the real collective is
+issued. With every collective of a step guarded, the first one where ranks differ is always a
+pair of handshakes (equal 32-byte all-gathers), so no divergence reaches gloo's abort: a rank
+that skipped a sharded module, ran a different number of forward calls, gathered a different
+group of any size, skipped or repeated ``backward()``, ran a different number of micro-batches
+without gradient sync, or whose module left some parameters without a gradient this step (it
+reduces that module only when backward ends, out of order with the other ranks). What no
+handshake can tell: a rank that runs one more whole step (or synced micro-batch) than the others
+issues the same collectives as their next step, so nothing differs until the others stop.
 
-``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers (no
-in-data tag: the handshake proves what it would); ``strict`` handshake before reduce-scatters
-too; ``tag`` the 16-byte tag inside each all-gather only (no extra collective, catches
-reordered groups of equal size); ``0`` none.
+That is the gloo path; on other backends, where each host read is a sync with the device, only
+all-gathers are handshaked by default and the handshakes are judged once per step without a
+read per collective (``handshake_ledger.py``); the all-reduce form below stays here for tests
+that force it onto gloo. On gloo, and on any group of at most ``ALL_REDUCE_FROM`` - 1 ranks,
+the handshake all-gathers the 32-byte entries. On larger groups it is one all-reduce (max) of
+the entry and its negation, which gives every rank the largest and the smallest entry of each
+field (equal everywhere means all agree; otherwise every rank sees the same disagreement and
+all-gathers the entries, only then, to name them): 64 bytes whatever the world size, where the
+all-gather grows with it. gloo is left out because its all-reduce of a few bytes takes about
+twice its all-gather's round trips (measured at 2 ranks: 0.85 to 1.4 ms against 0.26 to 0.52 ms).
+
+``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers, and
+on gloo before reduce-scatters and HSDP's all-reduces across replicas too (no in-data tag: the
+handshake proves what it would);
+``strict`` handshake before reduce-scatters on every backend; ``tag`` the 16-byte tag inside
+each all-gather only (no extra collective, catches reordered groups of equal size); ``0`` none.
 
 A rank that stops altogether is reported by the others when the process group's timeout
-expires (``init_process_group(timeout=...)``): ``CollectiveError`` names the collective and
-group they waited for.
+expires (``init_process_group(timeout=...)``), or as soon as its process exits (gloo reports
+the closed connection): ``CollectiveError`` names the collective and group they waited for.
 """
 
 from __future__ import annotations
@@ -41,11 +47,11 @@ import torch.distributed as dist
 
 from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
-from .handshake_ledger import Entry, Ledgers
+from .handshake_ledger import Entry, Ledgers, diverged_message
 from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
 
-KINDS = {1: "all-gather", 2: "reduce-scatter"}
-ALL_GATHER, REDUCE_SCATTER = 1, 2
+KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3  # ALL_REDUCE: HSDP's sum across replicas
 
 
 class CollectiveError(RuntimeError):
@@ -53,11 +59,24 @@ class CollectiveError(RuntimeError):
 
 
 def handshake_kinds() -> frozenset[int]:
-    """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``."""
+    """Which collectives get a handshake on every backend, from ``FSDP_COMPOSE_CHECK_ORDER``."""
     mode = os.environ.get(CHECK_ENV, "1")
     if mode in ("0", "tag"):
         return frozenset()
     return frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
+
+
+def gloo_handshake_kinds() -> frozenset[int]:
+    """Which collectives get a handshake on gloo: all of them unless the check is off.
+
+    On gloo the handshake is a host-side check before the collective, which is what keeps a
+    divergence from reaching gloo's abort; a reduce-scatter's adds one tiny all-gather per
+    reduction (about 0.3 ms on loopback, docs/benchmarks.md). HSDP's all-reduce across replicas
+    gets one too: ranks of different replicas never meet in a shard group's handshake, so
+    replicas that ran different modules would otherwise sum different groups' gradients."""
+    if os.environ.get(CHECK_ENV, "1") in ("0", "tag"):
+        return frozenset()
+    return frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
 ALL_REDUCE_FROM = 9  # ranks from which a non-gloo group's handshake is an all-reduce
@@ -103,10 +122,12 @@ class _Exchange:
 class Handshakes:
     """One group's handshakes, cached per (kind, bytes, process group).
 
-    On gloo each is judged on the host before the collective it precedes (``run``); on other
-    backends it goes into its process group's ledger in ``ledgers`` (the root's, shared by the
-    model's groups), judged once a round without a host read per collective
-    (``handshake_ledger.py``). The backend is looked up once per (kind, bytes, process group).
+    ``kinds`` are checked on every backend, ``gloo_kinds`` on gloo process groups as well
+    (``handshake_kinds`` and ``gloo_handshake_kinds``). On gloo each is judged on the host
+    before the collective it precedes (``run``); on other backends it goes into its process
+    group's ledger in ``ledgers`` (the root's, shared by the model's groups), judged once a
+    round without a host read per collective (``handshake_ledger.py``). The backend is looked
+    up once per (kind, bytes, process group).
 
     The process group is called directly (``ProcessGroup.all_gather_single`` or ``allreduce``,
     what ``torch.distributed``'s functions call after their argument checks): that skips about 10 µs
@@ -114,9 +135,13 @@ class Handshakes:
     functions to count data collectives.
     """
 
-    def __init__(self, uid: int, kinds: frozenset[int], device: torch.device) -> None:
+    def __init__(
+        self, uid: int, kinds: frozenset[int], device: torch.device, gloo_kinds: frozenset[int] | None = None
+    ) -> None:
         self.uid = uid
-        self.kinds = kinds
+        self.kinds = kinds  # checked on every backend
+        self.gloo_kinds = kinds if gloo_kinds is None else kinds | gloo_kinds  # checked on gloo
+        self.checked = self.kinds | self.gloo_kinds
         self.device = device
         self._exchanges: dict[tuple[int, int, object], _Exchange | Entry | None] = {}
         self.ledgers = Ledgers()  # this group's own until the root's replaces it (``use_ledgers``)
@@ -135,16 +160,17 @@ class Handshakes:
 
     def check(self, kind: int, nbytes: int, group, describe: Callable[[int], str]) -> None:
         """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective."""
-        if kind not in self.kinds:
+        if kind not in self.checked:
             return
         group = group if group is not None else dist.group.WORLD
         key = (kind, nbytes, group)
         exchange = self._exchanges.get(key, False)
-        if exchange is False:  # first time: build the tensors (none for a one-rank group)
+        if exchange is False:  # first time: build the tensors (none for a one-rank group or an unchecked kind)
             world = group.size()
-            if world <= 1:
+            gloo = dist.get_backend(group) == "gloo"
+            if world <= 1 or kind not in (self.gloo_kinds if gloo else self.kinds):
                 exchange = None
-            elif dist.get_backend(group) == "gloo":
+            elif gloo:
                 exchange = _Exchange(self.uid, kind, nbytes, world, self.device, uses_all_reduce(group, world))
             else:
                 exchange = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, self.device), self.device)
@@ -193,18 +219,15 @@ def _what(exchange: _Exchange, describe: Callable[[int], str]) -> str:
 
 
 def _raise_diverged(rows: torch.Tensor, group, describe: Callable[[int], str]) -> None:
-    lines = []
+    lines, kinds = [], []
     ranks = dist.get_process_group_ranks(group)
     for rank, (magic, other_uid, other_kind, other_bytes) in zip(ranks, rows.tolist()):
         if magic != MAGIC or other_kind not in KINDS:
             lines.append(f"  rank {rank}: <not a fully_shard collective>")
         else:
             lines.append(f"  rank {rank}: {KINDS[other_kind]} of {describe(other_uid)}, {other_bytes} bytes")
-    raise ExecutionOrderError(
-        "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
-        "a sharded module, ran a different number of forward calls, or ran modules in another order; "
-        "check data-dependent control flow):\n" + "\n".join(lines)
-    )
+            kinds.append(other_kind)
+    raise ExecutionOrderError(diverged_message(lines, kinds))
 
 
 def wait_named(work, what: str | Callable[[], str]) -> None:

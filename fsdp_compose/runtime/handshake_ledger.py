@@ -32,15 +32,32 @@ from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
 from .order_check import MAGIC, ExecutionOrderError
 
-KINDS = {1: "all-gather", 2: "reduce-scatter"}
+KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}  # as in handshake.py
+BACKWARD_KINDS = (2, 3)  # the reduce-scatter and HSDP's all-reduce: issued when a module's backward is done
 SLOTS = 256  # rows per ledger buffer: a round closes early when they are used up
 RANK_BITS = 20  # the packed form's low bits: ranks of groups up to 2**20
 SHORT_MAGIC = MAGIC >> 24  # 40 bits, so a packed field fits in int64
 _FIELD_LIMIT = 1 << (63 - RANK_BITS)
+BACKWARD_HINT = (
+    "\n(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks "
+    "reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches "
+    "without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. "
+    "skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)"
+)
 FOUND_LATE = (
     "\n(on this backend the handshakes are compared on the device and judged when a step's backward ends, "
     "so the collectives after the first difference already ran)"
 )
+
+
+def diverged_message(lines: list[str], kinds: list[int]) -> str:
+    """The error every rank raises, from one line per rank named and the collective kinds in them."""
+    hint = BACKWARD_HINT if any(kind in BACKWARD_KINDS for kind in kinds) else ""
+    return (
+        "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
+        "a sharded module, ran a different number of forward calls, or ran modules in another order; "
+        "check data-dependent control flow):\n" + "\n".join(lines) + hint
+    )
 
 
 def gathers_entries(world: int) -> bool:
@@ -141,12 +158,13 @@ class Ledger:
             return
         rows = self.buffers[index][:used].cpu()
         first = int(_disagreements(rows, self.gathers, self.rank, self.world).nonzero()[0, 0])
-        lines = self._name_entries(rows[first]) if self.gathers else self._name_extremes(rows[first])
-        raise ExecutionOrderError(
-            "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
-            "a sharded module, ran a different number of forward calls, or ran modules in another order; "
-            "check data-dependent control flow):\n" + "\n".join(lines) + FOUND_LATE
-        )
+        row = rows[first]
+        lines = self._name_entries(row) if self.gathers else self._name_extremes(row)
+        if self.gathers:
+            kinds = [kind for magic, _, kind, _ in row.view(-1, 4).tolist() if magic == MAGIC]
+        else:  # the largest and the smallest kind
+            kinds = [int(row[2]) >> RANK_BITS, -int(row[6]) >> RANK_BITS]
+        raise ExecutionOrderError(diverged_message(lines, kinds) + FOUND_LATE)
 
     def _ranks(self) -> list[int]:
         import torch.distributed as dist
