@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 WIRE_ATTR = "_fsdp_compose_wire"
-_CHUNK_ELEMENTS = 1 << 18  # quantized / dequantized at a time: 1 MiB of fp32 transients, not the weight's
+_CHUNK_ELEMENTS = 1 << 16  # dequantized per step into the unsharded weight: 256 KiB of fp32
 
 
 @dataclass(frozen=True)
@@ -37,24 +37,14 @@ class BlockQuantized:
         rows = math.ceil(outer_size[0] / mesh.size())
         numel = rows * math.prod(outer_size[1:])
         blocks = math.ceil(numel / self.block_size)
-        source = shard.reshape(-1)
-        data = torch.empty(blocks * self.block_size, dtype=self.dtype, device=shard.device)
-        scales = torch.empty(blocks, dtype=torch.float32, device=shard.device)
-        step = max(1, _CHUNK_ELEMENTS // self.block_size)  # blocks at a time: no fp32 copy of the whole shard
-        for first in range(0, blocks, step):
-            count = min(step, blocks - first)
-            start, end = first * self.block_size, (first + count) * self.block_size
-            piece = torch.zeros(count, self.block_size, dtype=torch.float32, device=shard.device)
-            if start < source.numel():  # the padding rows past the shard quantize as zeros
-                piece.view(-1)[: min(end, source.numel()) - start].copy_(source[start:end])
-            low, high = piece.aminmax(dim=1)
-            scale = torch.maximum(high, low.neg_()).clamp_(min=1e-12).div_(self.largest)  # absmax / largest
-            piece.div_(scale.unsqueeze(1))
-            if self.dtype == torch.int8:
-                piece.round_()
-            data[start:end].copy_(piece.view(-1))
-            scales[first : first + count] = scale
-        return (data, scales), torch.Size((rows, *outer_size[1:]))
+        flat = torch.zeros(blocks * self.block_size, dtype=torch.float32, device=shard.device)
+        flat[: shard.numel()].copy_(shard.reshape(-1))
+        flat = flat.view(blocks, self.block_size)
+        scales = flat.abs().amax(dim=1).clamp(min=1e-12).div_(self.largest)
+        scaled = flat.div_(scales.unsqueeze(1))
+        if self.dtype == torch.int8:
+            scaled = scaled.round_()
+        return (scaled.to(self.dtype).view(-1), scales), torch.Size((rows, *outer_size[1:]))
 
     def post(self, outputs, shape: torch.Size, param_dtype: torch.dtype, *, out: torch.Tensor | None = None):
         """Every rank's blocks dequantized into one (world x padded rows, ...) tensor of ``param_dtype``
