@@ -3,6 +3,8 @@
     python benchmarks/bench_step.py            # ws 2, GPT ~34M params, batch 4x128, 1 thread/rank
     python benchmarks/bench_step.py --check-off   # also ours without the divergence handshake: its cost
     python benchmarks/bench_step.py --transport-shm   # also ours with FSDP_COMPOSE_TRANSPORT=shm
+    python benchmarks/bench_step.py --quantized int8  # also bf16 mixed precision: torch, ours, ours with
+                                                      # quantize_all_gather, compute-only in bf16 (issue 25)
 
 Each rank builds the same model from the same seed and trains it three ways, interleaved
 round by round so drift in machine load hits all three alike: torch's FSDP2
@@ -34,8 +36,9 @@ import torch.distributed as dist  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
-from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
+from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
 
+from benchmarks.bench_model import CONFIG, bf16_compute, bf16_policy, shard  # noqa: E402
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
 from fsdp_compose.observe.storage import StorageTracker  # noqa: E402
 from fsdp_compose.runtime import shm_transport  # noqa: E402
@@ -43,19 +46,31 @@ from fsdp_compose.runtime.shm_transport import TRANSPORT_ENV, segment_bytes  # n
 
 OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved
 OURS_SHM = "ours, shm"  # --transport-shm: ours with FSDP_COMPOSE_TRANSPORT=shm during its steps, interleaved
-CONFIG = GPTConfig(vocab_size=8192, seq_len=128, dim=512, n_heads=8, n_layers=8)
+# --quantized DTYPE: four more kinds, interleaved, all bf16 mixed precision (params bf16, reduce fp32)
+TORCH_BF16 = "torch, bf16"
+OURS_BF16 = "ours, bf16"
+OURS_QUANTIZED = "ours, bf16 + quantized all-gather"  # quantize_all_gather(model, DTYPE) before fully_shard
+COMPUTE_BF16 = "compute-only, bf16"  # the unsharded model, parameters cast to bf16 inside autograd
+BF16_KINDS = (TORCH_BF16, OURS_BF16, OURS_QUANTIZED, COMPUTE_BF16)
 
 
-def shard(model, fully_shard):
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return model
-
-
-def make_runner(kind: str, base: GPT):
+def make_runner(kind: str, base: GPT, args=None):
     model = copy.deepcopy(base)
-    if kind == "torch":
+    forward = model
+    if kind == TORCH_BF16:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        shard(model, torch_fully_shard, mp_policy=bf16_policy(TorchPolicy))
+    elif kind in (OURS_BF16, OURS_QUANTIZED):
+        from fsdp_compose import MixedPrecisionPolicy, fully_shard, quantize_all_gather
+
+        if kind == OURS_QUANTIZED:
+            quantize_all_gather(model, getattr(torch, args.quantized))
+        shard(model, fully_shard, mp_policy=bf16_policy(MixedPrecisionPolicy))
+    elif kind == COMPUTE_BF16:
+        forward = bf16_compute(model)
+    elif kind == "torch":
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         shard(model, torch_fully_shard)
@@ -96,7 +111,7 @@ def make_runner(kind: str, base: GPT):
             os.environ[TRANSPORT_ENV] = "shm"
         batch = synthetic_batch(CONFIG, batch_size, state["step"], dist.get_rank())
         state["step"] += 1
-        loss = lm_loss(model, batch)
+        loss = lm_loss(forward, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -162,13 +177,13 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     kinds = ["torch", "ours"] + ([OURS_UNCHECKED] if args.check_off else [])
-    kinds += ([OURS_SHM] if args.transport_shm else []) + ["compute"]
+    kinds += ([OURS_SHM] if args.transport_shm else []) + ["compute"] + (list(BF16_KINDS) if args.quantized else [])
     results = {k: {"times": [], "cpu": [], "peak": 0, "live": 0, "bytes": None, "losses": []} for k in kinds}
     for kind in kinds:  # one at a time, so each peak sees only its own model
         torch.manual_seed(0)
         baseline = rss_bytes()
         base = GPT(CONFIG)
-        step = make_runner(kind, base)
+        step = make_runner(kind, base, args)
         del base
         for _ in range(args.warmup):
             step(args.batch_size)
@@ -196,6 +211,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     for kind in kinds:
         del results[kind]["step"]
     with_handshakes = 2 if args.transport_shm else 1  # ours and ours-shm run them
+    with_handshakes += 2 if args.quantized else 0  # and ours-bf16, ours-bf16-quantized
     results["handshakes"] = dict(handshakes, steps=args.rounds * args.steps_per_round * with_handshakes)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
@@ -251,6 +267,8 @@ def report(per_rank, world_size: int, args) -> None:
     ours_losses, torch_losses = per_rank[0]["ours"]["losses"], per_rank[0]["torch"]["losses"]
     print(f"    same losses as torch FSDP2: max |diff| over {len(ours_losses)} steps "
           f"{max(abs(a - b) for a, b in zip(ours_losses, torch_losses)):.2e}")
+    if args.quantized:
+        print_quantized(per_rank, world_size, args, mib)
 
 
 def print_shm(per_rank, t, cpu, live, mib) -> None:
@@ -269,6 +287,51 @@ def print_shm(per_rank, t, cpu, live, mib) -> None:
     ours_losses, shm_losses = per_rank[0]["ours"]["losses"], per_rank[0][OURS_SHM]["losses"]
     print(f"    same losses as ours over gloo: max |diff| over {len(shm_losses)} steps "
           f"{max(abs(a - b) for a, b in zip(ours_losses, shm_losses)):.2e}")
+
+
+def print_quantized(per_rank, world_size: int, args, mib: int) -> None:
+    """(h) issue 25: bf16 mixed precision, with and without quantize_all_gather, against torch's and compute-only."""
+    names = {TORCH_BF16: "torch", OURS_BF16: "ours", OURS_QUANTIZED: f"ours+{args.quantized}", COMPUTE_BF16: "compute"}
+    t = {k: statistics.median(per_rank[0][k]["times"]) for k in BF16_KINDS}
+    cpu = {k: statistics.median(per_rank[0][k]["cpu"]) for k in BF16_KINDS}
+    live = {k: max(r[k]["live"] for r in per_rank) for k in BF16_KINDS}
+    q = OURS_QUANTIZED
+    print("(h) bf16 mixed precision (param bf16, reduce fp32), issue 25: "
+          f"quantize_all_gather(model, torch.{args.quantized}) before fully_shard")
+    print("    step time    " + "  ".join(f"{names[k]} {t[k]:.3f}s" for k in BF16_KINDS) +
+          f"  (fp32 compute-only {statistics.median(per_rank[0]['compute']['times']):.3f}s)")
+    print(f"    quantized/compute-bf16 = {t[q] / t[COMPUTE_BF16]:.3f} (target <= 1.08)   "
+          f"quantized/torch-bf16 = {t[q] / t[TORCH_BF16]:.3f} (target <= 0.75)   "
+          f"quantized/ours-bf16 = {t[q] / t[OURS_BF16]:.3f}   ours-bf16/compute-bf16 = "
+          f"{t[OURS_BF16] / t[COMPUTE_BF16]:.3f}   torch-bf16/compute-bf16 = {t[TORCH_BF16] / t[COMPUTE_BF16]:.3f}")
+    rounds = per_rank[0][q]["times"], per_rank[0][COMPUTE_BF16]["times"], per_rank[0][TORCH_BF16]["times"]
+    print(f"    median of per-round ratios: quantized/compute-bf16 "
+          f"{statistics.median(a / b for a, b, _ in zip(*rounds)):.3f}  quantized/torch-bf16 "
+          f"{statistics.median(a / c for a, _, c in zip(*rounds)):.3f}")
+    print("    CPU seconds per step (rank 0, all threads): " +
+          "  ".join(f"{names[k]} {cpu[k]:.3f}" for k in BF16_KINDS) +
+          f"  quantized/compute-bf16 = {cpu[q] / cpu[COMPUTE_BF16]:.3f}")
+    print("    peak live tensor bytes per rank (by storage), max over ranks: " +
+          "  ".join(f"{names[k]} {live[k] / mib:.1f} MiB" for k in BF16_KINDS) +
+          f"  quantized/ours-bf16 = {live[q] / live[OURS_BF16]:.3f} (target <= 1.0)")
+    if not args.default_malloc:
+        peak = {k: max(r[k]["peak"] for r in per_rank) for k in BF16_KINDS}
+        print("    peak RSS above pre-model baseline, max over ranks: " +
+              "  ".join(f"{names[k]} {peak[k] / mib:.1f} MiB" for k in BF16_KINDS))
+    moved = {k: per_rank[0][k]["bytes"] for k in (TORCH_BF16, OURS_BF16, q)}
+    for k, m in moved.items():
+        print(f"    {names[k]:10s} per step: all-gather {m['gather'] / mib:.2f} MiB in {m['gather_calls']} calls, "
+              f"reduce-scatter {m['scatter'] / mib:.2f} MiB in {m['scatter_calls']} calls, "
+              f"total {(m['gather'] + m['scatter']) / mib:.2f} MiB")
+    total = {k: m["gather"] + m["scatter"] for k, m in moved.items()}
+    print(f"    all-gather bytes quantized/torch-bf16 = {moved[q]['gather'] / moved[TORCH_BF16]['gather']:.4f} "
+          f"(target <= 0.55)   quantized/ours-bf16 = {moved[q]['gather'] / moved[OURS_BF16]['gather']:.4f}   "
+          f"total bytes quantized/torch-bf16 = {total[q] / total[TORCH_BF16]:.4f}")
+    losses = {k: per_rank[0][k]["losses"] for k in BF16_KINDS}
+    diff = max(abs(a - b) for a, b in zip(losses[OURS_BF16], losses[TORCH_BF16]))
+    qdiff = max(abs(a - b) / abs(b) for a, b in zip(losses[q], losses[OURS_BF16]))
+    print(f"    losses: ours-bf16 vs torch-bf16 max |diff| {diff:.2e} over {len(losses[q])} steps; quantized vs "
+          f"ours-bf16 max relative diff {qdiff:.2e} (convergence: benchmarks/quantized_convergence.py)")
 
 
 def print_memory(peak, mib) -> None:
@@ -299,6 +362,9 @@ def main() -> None:
                         help="also run ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved, and print default/off")
     parser.add_argument("--transport-shm", action="store_true",
                         help="also run ours with FSDP_COMPOSE_TRANSPORT=shm, interleaved, and print its ratios")
+    parser.add_argument("--quantized", choices=["int8", "float8_e4m3fn"],
+                        help="also run bf16 mixed precision, interleaved: torch FSDP2, ours, ours with "
+                        "quantize_all_gather(model, torch.DTYPE) and compute-only in bf16 (issue 25)")
     args = parser.parse_args()
     spawn_ranks(rank_main, args)
 

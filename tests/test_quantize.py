@@ -164,3 +164,39 @@ def test_bad_calls(single_rank_group):
         message(lambda: fully_shard(other, shard_placement_fn=lambda p: Shard(1))),
         """NotImplementedError: parameter 'weight' has a quantized all-gather, which fully_shard supports on dim-0 shards of a data-parallel mesh only, not with Shard(1)""",
     )
+
+
+class _Mesh:
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+@pytest.mark.parametrize("dtype", ["int8", "float8_e4m3fn"])
+def test_refresh_in_place_matches_and_holds_no_fp32_copy_of_the_weight(dtype):
+    """Later unshards dequantize into the unsharded weight a few blocks at a time: the same bits
+    as the first unshard's fresh tensor, without an fp32 copy of the whole weight (the backward's
+    re-gathers happen at the activation peak; that copy put the quantized run's peak above the
+    unquantized one's in benchmarks/bench_step.py --quantized)."""
+    from fsdp_compose.observe.storage import StorageTracker
+    from fsdp_compose.runtime.quantized_gather import BlockQuantized
+
+    torch.manual_seed(0)
+    ranks, weight = 3, torch.randn(1000, 300)  # 334 rows per rank: the last rank holds 2 padding rows
+    codec = BlockQuantized(getattr(torch, dtype), block_size=128)
+    sent = [codec.pre(chunk, _Mesh(ranks), weight.shape, None, None, None) for chunk in torch.chunk(weight, ranks)]
+    shape = sent[0][1]
+    outputs = tuple(torch.cat([inputs[i] for inputs, _ in sent]) for i in range(2))
+    fresh, _ = codec.post(outputs, shape, torch.bfloat16)
+    out = torch.full_like(weight, float("nan"), dtype=torch.bfloat16)
+    with StorageTracker() as tracker:
+        tracker.track([out, *outputs])
+        before = tracker.current
+        tracker.reset_peak()
+        assert codec.post(outputs, shape, torch.bfloat16, out=out) is None
+    assert torch.equal(out, fresh[: weight.shape[0]])
+    relative = 1 / 127 if dtype == "int8" else 2**-4  # half a step, plus bf16's rounding, under these
+    assert (out.float() - weight).abs().max() < relative * weight.abs().max()
+    assert tracker.peak - before <= 2 * (1 << 16) * 4 < weight.numel() * 4, tracker.peak - before

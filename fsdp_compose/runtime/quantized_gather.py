@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 WIRE_ATTR = "_fsdp_compose_wire"
+_CHUNK_ELEMENTS = 1 << 16  # dequantized per step into the unsharded weight: 256 KiB of fp32
 
 
 @dataclass(frozen=True)
@@ -49,14 +50,33 @@ class BlockQuantized:
         """Every rank's blocks dequantized into one (world x padded rows, ...) tensor of ``param_dtype``
         (``shape``, the metadata, is one rank's padded shard)."""
         data, scales = outputs
+        if out is not None:
+            with torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
+                self._dequantize_into(out, data, scales, shape)
+            return None
         ranks = scales.numel() // math.ceil(shape.numel() / self.block_size)
         full = (data.view(scales.numel(), self.block_size).float() * scales.unsqueeze(1)).view(ranks, -1)
         full = full[:, : shape.numel()].reshape(ranks * shape[0], *shape[1:]).to(param_dtype)
-        if out is None:
-            return full, (full,)
-        with torch.autograd.grad_mode._unsafe_preserve_version_counter(out):
-            out.copy_(full[: out.shape[0]])
-        return None
+        return full, (full,)
+
+    def _dequantize_into(self, out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, shape: torch.Size) -> None:
+        """Dequantize into ``out`` a few blocks at a time: the fp32 products never exist for the
+        whole weight at once (8 bytes per element of transients otherwise, at the peak of the
+        backward's re-gather); the values are the same, rounded once from fp32 by ``copy_``."""
+        per_rank, blocks_per_rank = shape.numel(), math.ceil(shape.numel() / self.block_size)
+        chunk = max(1, _CHUNK_ELEMENTS // self.block_size) * self.block_size
+        flat = out.view(-1)
+        for rank in range(scales.numel() // blocks_per_rank):
+            start = rank * per_rank
+            rows = flat[start : min(start + per_rank, flat.numel())]  # the last ranks' rows may be padding
+            first = rank * blocks_per_rank * self.block_size
+            for i in range(0, rows.numel(), chunk):
+                n = min(chunk, rows.numel() - i)
+                blocks = math.ceil(n / self.block_size)
+                values = data[first + i : first + i + blocks * self.block_size].view(blocks, self.block_size).float()
+                block = (first + i) // self.block_size
+                values.mul_(scales[block : block + blocks].unsqueeze(1))
+                rows[i : i + n].copy_(values.view(-1)[:n])
 
 
 def wire_format_of(param: torch.Tensor) -> BlockQuantized | None:
