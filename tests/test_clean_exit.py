@@ -6,7 +6,11 @@ at interpreter exit in about one run in three before ``runtime/clean_tls.py``, s
 needs its own interpreters: nothing cheaper (a loop in one process, forked ranks that end in
 ``os._exit``) would exercise that exit. The script is kept cheap instead (its spawning parent
 imports no torch; each rank trains a 3-layer model for two steps), and runs go two at a time.
-``FSDP_COMPOSE_EXIT_RUNS`` changes the count (e.g. 200 to hunt a rare abort). torch's FSDP2
+Each run also does what trainers add around training (an eval forward under ``no_grad``,
+``full_state_dict``, a DCP save and load, a registered ``generate``, ``reset_iter_state`` after
+a mid-forward exception), where users still saw the abort (issue 24); a second test runs an HF
+``Trainer`` + ``save_model`` script. ``FSDP_COMPOSE_EXIT_RUNS`` changes the count (e.g. 200 to
+hunt a rare abort), ``FSDP_COMPOSE_HF_EXIT_RUNS`` that of the HF runs. torch's FSDP2
 aborts in the same script (five runs in eight in the issue's measurement), since nothing
 there keeps Python objects out of the gloo ``Work``'s captured thread-local state.
 """
