@@ -57,7 +57,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def _stats(model: nn.Module) -> dict[str, list[int]]:
+def traffic(model: nn.Module) -> dict[str, list[int]]:
+    """Calls and bytes so far per collective kind, summed over the model's groups."""
     out = {"all-gather": [0, 0], "reduce-scatter": [0, 0], "all-reduce": [0, 0]}
     for _, state in states_in(model):
         s = state.group.stats
@@ -113,14 +114,14 @@ def measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, h
             timeline.label([p.unsharded_param], UNSHARDED_PARAMETERS)
             if p.unsharded_param.requires_grad:  # a pre-hook: sees the gradient before the runtime reduces it
                 handles.append(p.unsharded_param.register_hook(lambda g: timeline.label([g], UNSHARDED_GRADIENTS)))
-    before = _stats(model)
+    before = traffic(model)
     try:
         with timeline:
             _step(model, optimizer, loss_fn, timeline)
     finally:
         for h in handles:
             h.remove()
-    after = _stats(model)
+    after = traffic(model)
     without, event = timeline.peak_without(UNLABELLED)
     return {
         "peak_without_activations": without,

@@ -14,26 +14,12 @@ import pytest
 
 from fsdp_compose import estimate
 from fsdp_compose.observe.estimate import CATEGORIES, estimate_many
+from fsdp_compose.observe.fake_step import traffic
 from fsdp_compose.observe.storage import StorageTracker
-from fsdp_compose.runtime.state import states_in
 from tests.harness import run_on_ranks
 from tests.observe.estimate_jobs import JOBS, LM, fp32
 
 CASES = [(name, world) for name in JOBS for world in (2, 3)]
-
-
-def _traffic(model) -> dict[str, list[int]]:
-    out = {"all-gather": [0, 0], "reduce-scatter": [0, 0], "all-reduce": [0, 0]}
-    for _, state in states_in(model):
-        s = state.group.stats
-        for kind, calls, nbytes in (
-            ("all-gather", s.all_gathers, s.all_gather_bytes),
-            ("reduce-scatter", s.reduce_scatters, s.reduce_scatter_bytes),
-            ("all-reduce", s.all_reduces, s.all_reduce_bytes),
-        ):
-            out[kind][0] += calls
-            out[kind][1] += nbytes
-    return out
 
 
 def _real_step(name: str) -> dict:
@@ -46,13 +32,13 @@ def _real_step(name: str) -> dict:
     tracker.track(model.buffers())
     for state in optimizer.state.values():
         tracker.track(state.values())
-    before = _traffic(model)
+    before = traffic(model)
     with tracker:
         tracker.reset_peak()
         loss_fn().backward()
         optimizer.step()
         optimizer.zero_grad()
-    after = _traffic(model)
+    after = traffic(model)
     return {"peak": tracker.peak, "traffic": {k: [a - b for a, b in zip(after[k], before[k])] for k in after}}
 
 
