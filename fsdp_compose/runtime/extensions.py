@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 
@@ -183,3 +184,48 @@ def _arity(tensor: torch.Tensor, fqn: str) -> int:
 
 def _listing(shapes, dtypes) -> str:
     return ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in zip(shapes, dtypes))
+
+
+def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int, wire: bool = False) -> None:
+    """Refuse, naming the parameter, a tensor subclass the byte all-gather would get wrong: one
+    without the extension protocol (its bytes are not its values), or one with it (or with a
+    quantized wire format) where the protocol's layout is not defined (tensor parallel,
+    ``Shard(d)`` with ``d > 0``)."""
+    where = f"parameter '{fqn}'"
+    protocol = has_protocol(source, where)
+    if not protocol and is_wrapper_subclass(source) and not isinstance(source, DTensor):
+        raise ValueError(
+            f"{where} is a tensor subclass ({type(source).__name__}) without fsdp_pre_all_gather and "
+            "fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. "
+            "Implement the all-gather extension protocol on it, or pass it in ignored_params"
+        )
+    if (protocol or wire) and (tensor_parallel or shard_dim):
+        layout = "tensor parallel" if tensor_parallel else f"Shard({shard_dim})"
+        what = "implements the all-gather extension protocol" if protocol else "has a quantized all-gather"
+        raise NotImplementedError(
+            f"{where} {what}, which fully_shard supports on dim-0 shards of a data-parallel mesh only, "
+            f"not with {layout}"
+        )
+
+
+def shard_subclass(
+    full: torch.Tensor, fqn: str, dim: int, world: int, rank: int, local_shape: torch.Size, device: torch.device
+) -> torch.Tensor:
+    """This rank's ``torch.chunk`` of a tensor subclass, copied into ``new_zeros``: the operators
+    torch's FSDP2 uses, so a subclass that implements only those (NF4) shards too."""
+    try:
+        chunks = torch.chunk(full.detach(), world, dim=dim)
+        piece = chunks[rank] if rank < len(chunks) else None
+        local = full.new_zeros(local_shape) if piece is None else piece.new_zeros(piece.shape)
+        if piece is not None:
+            local.copy_(piece)
+        if local.device != device and device.type != "meta":
+            local = local.to(device)
+    except Exception as error:  # noqa: BLE001 - any operator the subclass lacks
+        raise ValueError(
+            f"parameter '{fqn}' is a {type(full).__name__}, which cannot be sharded: "
+            f"{type(error).__name__}: {error}. Sharding a tensor subclass needs torch.chunk on dim "
+            f"{dim}, new_zeros and copy_ (as in torch's FSDP2); pass it in ignored_params "
+            "to leave it unsharded"
+        ) from error
+    return local

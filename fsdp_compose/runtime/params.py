@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from .extensions import GatherExtension, has_protocol, is_wrapper_subclass
+from .extensions import GatherExtension, check_subclass, has_protocol, is_wrapper_subclass, shard_subclass
 from .quantized_gather import BlockQuantized, wire_format_of
 
 
@@ -227,21 +227,7 @@ class ShardedParam:
             local = full.detach().narrow(self.shard_dim, start, end - start).to(device)
             local = local.clone(memory_format=torch.contiguous_format)
         else:
-            try:
-                chunks = torch.chunk(full.detach(), self.world_size, dim=self.shard_dim)
-                piece = chunks[self.rank] if self.rank < len(chunks) else None
-                local = full.new_zeros(self.local_shape) if piece is None else piece.new_zeros(piece.shape)
-                if piece is not None:
-                    local.copy_(piece)
-                if local.device != device and device.type != "meta":
-                    local = local.to(device)
-            except Exception as error:  # noqa: BLE001 - any operator the subclass lacks
-                raise ValueError(
-                    f"parameter '{self.fqn}' is a {type(full).__name__}, which cannot be sharded: "
-                    f"{type(error).__name__}: {error}. Sharding a tensor subclass needs torch.chunk on dim "
-                    f"{self.shard_dim}, new_zeros and copy_ (as in torch's FSDP2); pass it in ignored_params "
-                    "to leave it unsharded"
-                ) from error
+            local = shard_subclass(full, self.fqn, self.shard_dim, self.world_size, self.rank, self.local_shape, device)
         if self.layout.pin_memory:
             local = local.pin_memory()
         return local
@@ -531,25 +517,3 @@ class ShardedParam:
             self.sharded_param.grad = like_sharded(self.sharded_param, local_grad)
         else:
             current._local_tensor.add_(local_grad.to(current._local_tensor.device))
-
-
-def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int, wire: bool = False) -> None:
-    """Refuse, naming the parameter, a tensor subclass the byte all-gather would get wrong: one
-    without the extension protocol (its bytes are not its values), or one with it (or with a
-    quantized wire format) where the protocol's layout is not defined (tensor parallel,
-    ``Shard(d)`` with ``d > 0``)."""
-    where = f"parameter '{fqn}'"
-    protocol = has_protocol(source, where)
-    if not protocol and is_wrapper_subclass(source) and not isinstance(source, DTensor):
-        raise ValueError(
-            f"{where} is a tensor subclass ({type(source).__name__}) without fsdp_pre_all_gather and "
-            "fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. "
-            "Implement the all-gather extension protocol on it, or pass it in ignored_params"
-        )
-    if (protocol or wire) and (tensor_parallel or shard_dim):
-        layout = "tensor parallel" if tensor_parallel else f"Shard({shard_dim})"
-        what = "implements the all-gather extension protocol" if protocol else "has a quantized all-gather"
-        raise NotImplementedError(
-            f"{where} {what}, which fully_shard supports on dim-0 shards of a data-parallel mesh only, "
-            f"not with {layout}"
-        )
