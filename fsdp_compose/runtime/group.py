@@ -238,7 +238,7 @@ class ParamGroup:
         self.post_forward = PostForwardShard(self, ranks, process_group)
 
     # ----- gradients --------------------------------------------------------------------
-    def start_reduce(self, all_reduce: bool = True) -> None:
+    def start_reduce(self, all_reduce: bool = True, then: Callable[[], None] | None = None) -> None:
         """Reduce-scatter every trainable parameter's unsharded gradient, one collective per dtype.
 
         Parameters without a gradient on this rank send zeros, plus a flag, so ranks always
@@ -246,6 +246,7 @@ class ParamGroup:
         ``.grad`` as it was (``None`` for a fresh step), exactly like an unsharded model.
         With HSDP and ``all_reduce=False`` the reduced shards are kept as partial sums and
         folded into the next all-reduced reduction (gradient accumulation across replicas).
+        ``then`` runs once the last of them is issued, which on gloo may be at the next handshake.
         """
         plan = self._reduce_plan
         if plan is None:  # per reduce dtype: its parameters and the bytes one rank sends
@@ -282,12 +283,19 @@ class ParamGroup:
                     pre_divide = 1
                 else:
                     pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
-                self._handshake(REDUCE_SCATTER, nbytes, group)
-                with labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-                    work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm.reduce_scatter, tail)
                 accumulate_all = all_present or not self._reads_flags(group)
-                finish = partial(self._finish_reduce, params, reduced, pre_divide, all_reduce, factor, accumulate_all)
-                self.pending_reduces.append(PendingCollective(work, finish, what=self._name_reduce_scatter))
+                finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
+                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, tail, finish)
+                if then is not None and dtype is plan[-1][0]:  # the group's last reduction: ``then`` follows it
+                    issue = partial(_in_turn, issue, then)
+                self.handshakes.submit(REDUCE_SCATTER, nbytes, group, self.describe, issue)
+
+    def _issue_reduce_scatter(
+        self, rows: list[torch.Tensor], group, pre_divide: float, tail: torch.Tensor | None, finish: Callable
+    ) -> None:
+        with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
+            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter, tail)
+        self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), what=self._name_reduce_scatter))
 
     def _flag_rows(
         self, dtype: torch.dtype, present: list[bool], all_present: bool, top: int | None, width: int
@@ -312,11 +320,11 @@ class ParamGroup:
     def _finish_reduce(
         self,
         params: list[ShardedParam],
-        reduced: torch.Tensor,
         pre_divided: float,
         all_reduce: bool,
         factor: float,
-        accumulate_all: bool = False,
+        accumulate_all: bool,
+        reduced: torch.Tensor,
     ) -> None:
         """``accumulate_all``: every parameter's reduced shard goes into ``.grad`` without reading
         the summed flags: this rank sent a gradient for every parameter (so every flag is
@@ -386,6 +394,11 @@ class ParamGroup:
         self._kept = None
         for p in self.params:
             p.clear_unsharded_grad()
+
+
+def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> None:
+    first()
+    then()
 
 
 def _discard() -> None:

@@ -2,11 +2,15 @@
 
 gloo cannot report a collective whose ranks disagree: buffers of different sizes abort the
 process inside gloo ("op.preamble.length <= op.nbytes"), and different collectives hang. So,
-by default, on gloo each group's all-gather and each reduce-scatter is preceded by a handshake
-on (magic, group id, kind, bytes); if any rank's entry differs, every rank raises the same
-``ExecutionOrderError`` naming what each rank was about to run, before the real collective is
-issued. With every collective of a step guarded, the first one where ranks differ is always a
-pair of handshakes (equal 32-byte all-gathers), so no divergence reaches gloo's abort: a rank
+by default, on gloo every all-gather and every reduce-scatter is agreed on by a handshake
+on (magic, group id, kind, bytes, and the reduce-scatters it covers); if any rank's entry differs,
+every rank raises the same ``ExecutionOrderError`` naming what each rank was about to run, before
+the real collectives are issued. A reduce-scatter waits for the next handshake on its process
+group (in backward, the next block's all-gather; else one when a group's backward begins or when
+backward ends, ``Handshakes.flush``), which covers it by a count and a digest and issues it first:
+one synchronisation point per block rather than two. With every collective of a step guarded,
+the first one where ranks differ is always a pair of handshakes (equal 48-byte all-gathers), so
+no divergence reaches gloo's abort: a rank
 that skipped a sharded module, ran a different number of forward calls, gathered a different
 group of any size, skipped or repeated ``backward()``, ran a different number of micro-batches
 without gradient sync, or whose module left some parameters without a gradient this step (it
@@ -41,6 +45,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -52,6 +57,9 @@ from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
 
 KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3  # ALL_REDUCE: HSDP's sum across replicas
+ONLY_REDUCES = 4  # a handshake for the waiting reduce-scatters alone (no collective of its own follows)
+FIELDS = 6  # magic, group id, kind, bytes, then the waiting reduce-scatters: how many, and their digest
+NAMED_REDUCES = 8  # waiting reduce-scatters an error names per rank
 
 
 class CollectiveError(RuntimeError):
@@ -97,15 +105,25 @@ class _Exchange:
     reset the all-reduce's buffer). On the CPU the comparison is of bytes, through a numpy view
     of the received tensor kept with it: no tensor op (``torch.equal`` costs a dispatch)."""
 
-    def __init__(self, uid: int, kind: int, nbytes: int, world: int, device: torch.device, reduce: bool) -> None:
-        self.mine = torch.tensor([MAGIC, uid, kind, nbytes], dtype=torch.int64, device=device)
+    def __init__(
+        self,
+        uid: int,
+        kind: int,
+        nbytes: int,
+        world: int,
+        device: torch.device,
+        reduce: bool,
+        waiting: list[Waiting] | None = None,
+    ) -> None:
+        self.waiting = waiting or []
+        self.mine = torch.tensor([MAGIC, uid, kind, nbytes, *_digest(self.waiting)], dtype=torch.int64, device=device)
         self.reduce = reduce
         if reduce:
             self.expected = torch.cat([self.mine, -self.mine])
             self.received = torch.empty_like(self.expected)
         else:
             self.expected = self.mine.repeat(world)
-            self.received = self.mine.new_empty(world * 4)
+            self.received = self.mine.new_empty(world * FIELDS)
         on_cpu = device.type == "cpu"
         self.received_array = self.received.numpy() if on_cpu else None  # shares the tensor's memory
         self.expected_bytes = self.expected.numpy().tobytes() if on_cpu else None
@@ -158,31 +176,88 @@ class Handshakes:
             self.ledgers = ledgers
             self._exchanges.clear()
 
-    def check(self, kind: int, nbytes: int, group, describe: Callable[[int], str]) -> None:
-        """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective."""
-        if kind not in self.checked:
-            return
+    def _exchange(self, kind: int, nbytes: int, group) -> tuple[object, _Exchange | Entry | None]:
+        """The process group (``None`` is the default one) and the handshake to run before this collective
+        on it, if any: built the first time (none for a one-rank group or an unchecked kind)."""
         group = group if group is not None else dist.group.WORLD
         key = (kind, nbytes, group)
         exchange = self._exchanges.get(key, False)
-        if exchange is False:  # first time: build the tensors (none for a one-rank group or an unchecked kind)
+        if exchange is False:
             world = group.size()
             gloo = dist.get_backend(group) == "gloo"
-            if world <= 1 or kind not in (self.gloo_kinds if gloo else self.kinds):
+            if kind not in self.checked or world <= 1 or kind not in (self.gloo_kinds if gloo else self.kinds):
                 exchange = None
             elif gloo:
                 exchange = _Exchange(self.uid, kind, nbytes, world, self.device, uses_all_reduce(group, world))
             else:
                 exchange = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, self.device), self.device)
             self._exchanges[key] = exchange
+        return group, exchange
+
+    def check(self, kind: int, nbytes: int, group, describe: Callable[[int], str]) -> None:
+        """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective
+        (and, on gloo, the same waiting reduce-scatters, which are then issued first)."""
+        if kind not in self.checked:
+            return
+        group, exchange = self._exchange(kind, nbytes, group)
         if exchange is None:
             return
         if type(exchange) is Entry:
             work = exchange.ledger.record(exchange, describe)
             if work is not None:
                 wait_named(work, partial(_entry_what, self.uid, kind, describe))
-        else:
+            return
+        waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
+        if waiting:
+            exchange = _Exchange(self.uid, kind, nbytes, group.size(), self.device, exchange.reduce, waiting)
+        run(exchange, group, describe)
+        for reduce in waiting or ():
+            reduce.issue()
+
+    def submit(self, kind: int, nbytes: int, group, describe: Callable[[int], str], issue: Callable[[], None]) -> None:
+        """Run ``issue`` (which issues a collective of ``kind`` and ``nbytes`` on ``group``) once every rank
+        agreed on it. On gloo a reduce-scatter waits for the next handshake on its process group (the next
+        all-gather's, in backward usually the next block's prefetch, or ``flush``): one handshake then covers
+        both, rather than one per reduce-scatter, each a point where every rank waits for the slowest."""
+        if kind in self.checked:
+            resolved, exchange = self._exchange(kind, nbytes, group)
+            if kind == REDUCE_SCATTER and type(exchange) is _Exchange:
+                self.ledgers.waiting.setdefault(resolved, []).append(Waiting(self.uid, nbytes, issue))
+                return
+            self.check(kind, nbytes, group, describe)
+        issue()
+
+    def flush(self, describe: Callable[[int], str]) -> None:
+        """Agree on and issue the reduce-scatters still waiting, one handshake per process group (called when a
+        group's backward begins and when backward ends, where no all-gather may follow on their group)."""
+        waiting_by_group = self.ledgers.waiting
+        while waiting_by_group:
+            group, waiting = next(iter(waiting_by_group.items()))
+            del waiting_by_group[group]
+            world = group.size()
+            exchange = _Exchange(self.uid, ONLY_REDUCES, 0, world, self.device, uses_all_reduce(group, world), waiting)
             run(exchange, group, describe)
+            for reduce in waiting:
+                reduce.issue()
+
+
+class Waiting(NamedTuple):
+    """A reduce-scatter issued once the next handshake on its process group agrees on it."""
+
+    uid: int
+    nbytes: int
+    issue: Callable[[], None]
+
+
+def _digest(waiting: list[Waiting]) -> tuple[int, int]:
+    """How many reduce-scatters wait, and a digest of their groups and sizes (order included)."""
+    digest = 0
+    for reduce in waiting:
+        digest = (digest * 1_000_003 + reduce.uid * 65_537 + reduce.nbytes) % _DIGEST_MODULUS
+    return len(waiting), digest
+
+
+_DIGEST_MODULUS = (1 << 61) - 1
 
 
 def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
@@ -202,11 +277,16 @@ def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
         return
     rows = received
     if exchange.reduce:  # every rank got the same maxima, so every rank is here: gather the entries to name them
-        rows = exchange.mine.new_empty(group.size() * 4)
-        with python_free_tls():
-            work = group.all_gather_single(rows, exchange.mine, ASYNC_ALL_GATHER)
-        wait_named(work, exchange.what)
-    _raise_diverged(rows.view(-1, 4), group, describe)
+        rows = _gather(exchange.mine, group, exchange.what)
+    _raise_diverged(exchange, rows.view(-1, FIELDS).tolist(), group, describe)
+
+
+def _gather(mine: torch.Tensor, group, what: Callable[[], str]) -> torch.Tensor:
+    rows = mine.new_empty(group.size() * mine.numel())
+    with python_free_tls():
+        work = group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
+    wait_named(work, what)
+    return rows
 
 
 def _entry_what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
@@ -214,19 +294,38 @@ def _entry_what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
 
 
 def _what(exchange: _Exchange, describe: Callable[[int], str]) -> str:
-    _, uid, kind, _ = exchange.mine.tolist()
+    _, uid, kind = exchange.mine.tolist()[:3]
+    if kind == ONLY_REDUCES:
+        return "the handshake before the waiting reduce-scatters"
     return f"the handshake before the {KINDS[kind]} of {describe(uid)}"
 
 
-def _raise_diverged(rows: torch.Tensor, group, describe: Callable[[int], str]) -> None:
+def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, describe: Callable[[int], str]) -> None:
+    """Every rank got the same ``rows``, so every rank is here: name what each was about to run."""
+    waiting = None
+    if any(row[4] for row in rows):  # gather the waiting reduce-scatters' names too, from every rank alike
+        named = exchange.waiting[:NAMED_REDUCES]
+        flat = [len(exchange.waiting)] + [v for reduce in named for v in (reduce.uid, reduce.nbytes)]
+        flat += [0] * (1 + 2 * NAMED_REDUCES - len(flat))
+        mine = torch.tensor(flat, dtype=torch.int64, device=exchange.mine.device)
+        waiting = _gather(mine, group, exchange.what).view(group.size(), -1).tolist()
     lines, kinds = [], []
-    ranks = dist.get_process_group_ranks(group)
-    for rank, (magic, other_uid, other_kind, other_bytes) in zip(ranks, rows.tolist()):
-        if magic != MAGIC or other_kind not in KINDS:
+    for i, (rank, (magic, uid, kind, nbytes, count, _)) in enumerate(zip(dist.get_process_group_ranks(group), rows)):
+        if magic != MAGIC or (kind not in KINDS and kind != ONLY_REDUCES):
             lines.append(f"  rank {rank}: <not a fully_shard collective>")
-        else:
-            lines.append(f"  rank {rank}: {KINDS[other_kind]} of {describe(other_uid)}, {other_bytes} bytes")
-            kinds.append(other_kind)
+            continue
+        parts = []
+        if count:
+            listed = waiting[i]
+            pairs = list(zip(listed[1::2], listed[2::2]))[: min(count, NAMED_REDUCES)]
+            parts += [f"reduce-scatter of {describe(u)}, {b} bytes" for u, b in pairs]
+            if count > NAMED_REDUCES:
+                parts.append(f"{count - NAMED_REDUCES} more reduce-scatters")
+            kinds.append(REDUCE_SCATTER)
+        if kind != ONLY_REDUCES:
+            parts.append(f"{KINDS[kind]} of {describe(uid)}, {nbytes} bytes")
+            kinds.append(kind)
+        lines.append(f"  rank {rank}: " + ", then ".join(parts))
     raise ExecutionOrderError(diverged_message(lines, kinds))
 
 

@@ -220,6 +220,8 @@ class Ledgers:
 
     def __init__(self) -> None:
         self.by_group: dict[object, Ledger] = {}
+        # gloo: per process group, reduce-scatters waiting for its next handshake (``handshake.Handshakes.submit``)
+        self.waiting: dict[object, list] = {}
 
     def ledger(self, group, device: torch.device) -> Ledger:
         ledger = self.by_group.get(group)
@@ -232,5 +234,6 @@ class Ledgers:
             ledger.close_round()
 
     def forget(self) -> None:
+        self.waiting.clear()
         for ledger in self.by_group.values():
             ledger.forget()

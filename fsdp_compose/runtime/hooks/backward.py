@@ -9,6 +9,8 @@ the root's end-of-backward callback.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..schedule import backward_prefetch_targets, end_backward
@@ -84,6 +86,7 @@ def pre_backward(state: GroupState) -> None:
     else:  # set_unshard_in_backward(False): only the prefetches
         for target in targets:
             target.group.start_unshard()
+    flush_reduces(root)  # what no all-gather above took with its handshake (gloo, see handshake.py)
 
 
 def on_grad_accumulated(state: GroupState, index: int) -> None:
@@ -111,15 +114,25 @@ def post_backward(state: GroupState) -> None:
     if state.reshard_after_backward:  # the gradients are separate tensors: free the parameters first
         group.reshard()
     if group.trainable and state.requires_gradient_sync:
-        group.start_reduce(all_reduce=state.requires_all_reduce)
-        reducing = state.root.reducing
-        reducing.append(state)
-        limit = state.reduce_buffers or state.root.reduce_limit
-        while len(reducing) > limit:  # bound the memory held by reductions
-            reducing.pop(0).group.wait_reduces()
+        group.start_reduce(all_reduce=state.requires_all_reduce, then=partial(_bound_reductions, state))
     elif group.trainable:  # no-sync micro-batch: keep summing in the reduce dtype
         for p in group.trainable:
             p.stash_grad()
+
+
+def _bound_reductions(state: GroupState) -> None:
+    """Once ``state``'s reductions are issued: wait for the oldest beyond the limit (it bounds their memory)."""
+    reducing = state.root.reducing
+    reducing.append(state)
+    limit = state.reduce_buffers or state.root.reduce_limit
+    while len(reducing) > limit:
+        reducing.pop(0).group.wait_reduces()
+
+
+def flush_reduces(root: RootState) -> None:
+    """Issue the reduce-scatters waiting for a handshake (on gloo they wait for the next one on their group)."""
+    if root.ledgers.waiting:
+        root.root_state.group.handshakes.flush(root.root_state.group.describe)
 
 
 def end_of_backward(root: RootState) -> None:
@@ -130,6 +143,7 @@ def end_of_backward(root: RootState) -> None:
             post_backward(state)
         elif state.group.is_unsharded and state.reshard_after_backward:
             state.group.reshard()
+    flush_reduces(root)
     if root.root_state.is_last_backward:
         for state in root.states:
             if state.group.pending_reduces:  # most groups' reductions finished long ago
