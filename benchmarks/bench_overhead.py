@@ -42,18 +42,9 @@ def shard(model, fully_shard, mesh):
     return model
 
 
-def check_against_local_tag(enabled: bool) -> None:
-    """Let our order check run its full cost on the fake backend, whose outputs hold no data."""
-    import fsdp_compose.runtime.group as group_module
-    from fsdp_compose.runtime.order_check import verify_headers
-
-    def verify_local(headers, expected, describe):
-        world = headers.shape[0]
-        verify_headers(expected.expand(world, -1).clone(), expected, describe)
-
-    group_module.verify_headers = verify_local
+def set_order_check(enabled: bool) -> None:
+    """Our divergence check on ("ours") or off ("ours,nochk"); read when fully_shard builds the groups."""
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if enabled else "0"
-
 
 
 def sharded(kind: str, groups: int, dim: int, mesh) -> torch.nn.Sequential:
@@ -66,7 +57,7 @@ def sharded(kind: str, groups: int, dim: int, mesh) -> torch.nn.Sequential:
         return build(groups, dim)
     if kind == "torch":
         return shard(build(groups, dim), torch_fully_shard, mesh)
-    check_against_local_tag(enabled=kind == "ours")  # read when fully_shard builds the groups
+    set_order_check(enabled=kind == "ours")
     return shard(build(groups, dim), fully_shard, mesh)
 
 

@@ -80,7 +80,7 @@ def make_runner(kind: str, base: GPT, args=None):
         shard(model, fully_shard)
     elif kind == OURS_UNCHECKED:  # the mode is read when fully_shard runs (runtime/handshake.py)
         from fsdp_compose import fully_shard
-        from fsdp_compose.runtime.order_check import CHECK_ENV
+        from fsdp_compose.runtime.divergence import CHECK_ENV
 
         before = os.environ.get(CHECK_ENV)
         os.environ[CHECK_ENV] = "0"

@@ -16,7 +16,7 @@ from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, valid
 from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
-from .runtime.params import ParamPlace
+from .runtime.param_layout import ParamPlace
 from .runtime.placement import make_sharded_param, resolve_shard_dim
 from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout

@@ -75,7 +75,7 @@ def resolve_layout(
     offload_policy: OffloadPolicy,
 ):
     """Where one parameter's shard lives and which dtypes its collectives use."""
-    from .runtime.params import ParamLayout
+    from .runtime.param_layout import ParamLayout
 
     gather_dtype, reduce_dtype = collective_dtypes(dtype, mp_policy)
     offload = isinstance(offload_policy, CPUOffloadPolicy) and compute_device.type != "meta"

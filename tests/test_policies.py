@@ -65,8 +65,7 @@ def _bf16_training():
         ref_opt.zero_grad()
     stats = state_of(model.blocks[0]).group.stats
     fp32_bytes = sum(sp.padded_numel * 4 * world_size for sp in state_of(model.blocks[0]).group.params)
-    tag = 16 if state_of(model.blocks[0]).group.header is not None else 0  # the order tag, mode "tag" only
-    seen["gather_bytes_vs_fp32"] = (stats.all_gather_bytes / stats.all_gathers - tag * world_size) / fp32_bytes
+    seen["gather_bytes_vs_fp32"] = stats.all_gather_bytes / stats.all_gathers / fp32_bytes
     # each reduce-scatter table: (world, padded elements + one flag per trainable param)
     group = state_of(model.blocks[0]).group
     elements = world_size * (sum(sp.padded_numel for sp in group.trainable) + len(group.trainable))

@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..runtime.order_check import HEADER_BYTES
 from ..runtime.state import GroupState, RootState
 
 
@@ -43,7 +42,7 @@ class GroupPlan:
 class GroupSizes:
     """Byte sizes of one group's buffers, for the memory simulation."""
 
-    send: int  # this rank's all-gather input (header + padded shards)
+    send: int  # this rank's all-gather input (padded shards)
     gathered: int  # all-gather output
     unsharded: int
     kept: int  # reshard_after_forward=<int>: slice kept after forward (0 without)
@@ -69,12 +68,12 @@ def itemsize(dtype: torch.dtype) -> int:
 
 def sizes_of(state: GroupState) -> GroupSizes:
     group = state.group
-    world, header = group.world_size, HEADER_BYTES if group.header is not None else 0
-    send = header + sum(p.gather_nbytes() for p in group.params)
+    world = group.world_size
+    send = sum(p.gather_nbytes() for p in group.params)
     kept = kept_gathered = 0
     if group.post_forward is not None and state.reshard_after_forward:
         ranks = group.post_forward.ranks
-        kept = header + sum(size * world // ranks for size in group.layout.sizes)
+        kept = sum(size * world // ranks for size in group.layout.sizes)
         kept_gathered = ranks * kept
     trainable = group.trainable if state.requires_gradient_sync else []
     by_dtype: dict[torch.dtype, list] = {}

@@ -2,6 +2,6 @@
 
 ``hooks`` (forward/backward hook functions) and ``schedule`` (execution order, prefetch)
 read and write ``state`` (plain data); a ``group`` unshards, reshards and reduces its
-``params`` with the batched ``collectives``, tagged by ``order_check``. Nothing here knows
+``params`` with the batched ``collectives``, agreed on by ``handshake``. Nothing here knows
 about state dicts, checkpoints or wrapping policies.
 """

@@ -19,10 +19,10 @@ from .collectives import (
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
+from .divergence import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from .grad_off import grad_off
-from .handshake import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes, gloo_handshake_kinds, handshake_kinds
+from .handshake import Handshakes, gloo_handshake_kinds, handshake_kinds
 from .labels import labelled
-from .order_check import HEADER_BYTES, make_header, tag_in_data, verify_headers
 from .params import ShardedParam
 from .shm_transport import GatheredRows
 from .uids import new_uid
@@ -42,10 +42,8 @@ class PostForwardShard:
         self.index = group.mesh.get_local_rank(group.mesh.ndim - 1) % ranks
         self.layout = GatherLayout([size * group.world_size // ranks for size in group.layout.sizes], ranks)
 
-    def keep(self, header: torch.Tensor | None, targets: list[torch.Tensor]) -> torch.Tensor:
-        pieces = [] if header is None else [header]
-        pieces += [t.view(self.ranks, -1)[self.index] for t in targets]
-        return torch.cat(pieces)
+    def keep(self, targets: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.view(self.ranks, -1)[self.index] for t in targets])
 
 
 class ParamGroup:
@@ -55,7 +53,6 @@ class ParamGroup:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
         self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
-        self.header = make_header(self.uid, device) if tag_in_data() else None
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device, gloo_handshake_kinds())
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
@@ -91,8 +88,6 @@ class ParamGroup:
         """Re-read the device after deferred initialization materialized the shards."""
         for p in self.params:
             self.device = p.follow_local_device()
-        if self.header is not None and self.header.device != self.device:
-            self.header = make_header(self.uid, self.device)
         self.handshakes.follow_device(self.device)
         self._all_present.clear()
 
@@ -132,7 +127,7 @@ class ParamGroup:
                     )
             else:
                 with labelled("copy_in", self):  # casts/moves shards where needed; no concatenation here
-                    pieces = [] if self.header is None else [self.header]
+                    pieces = []
                     for p in self.params:
                         pieces.extend(p.gather_pieces())
                         extended = extended or p.extension is not None
@@ -140,7 +135,7 @@ class ParamGroup:
                     self._follow_extension_widths()
                     self._extension_layout = extended
                 layout, rows = self.layout, self.world_size
-                nbytes = layout.total if self.header is None else layout.total + HEADER_BYTES  # the pieces' bytes
+                nbytes = layout.total
                 self._handshake(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
@@ -172,11 +167,6 @@ class ParamGroup:
     def _finish_unshard(
         self, gathered: torch.Tensor | GatheredRows, layout: GatherLayout, rows: int, extended: bool = False
     ) -> None:
-        if self.header is not None:
-            if isinstance(gathered, GatheredRows):
-                gathered = gathered.stacked()
-            verify_headers(gathered[:, :HEADER_BYTES], self.header, self.describe)
-            gathered = gathered[:, HEADER_BYTES:]
         with grad_off():
             with labelled("copy_out", self):
                 # later ranks' rows are padding, which no parameter reads: left unwritten (a
@@ -221,7 +211,7 @@ class ParamGroup:
             return
         if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
             with grad_off():
-                self._kept = self.post_forward.keep(self.header, [t for p in self.params for t in p.gathered_rows()])
+                self._kept = self.post_forward.keep([t for p in self.params for t in p.gathered_rows()])
         else:
             self._kept = None
         for p in self.params:

@@ -42,7 +42,6 @@ the closed connection): ``CollectiveError`` names the collective and group they 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -52,12 +51,20 @@ import torch.distributed as dist
 
 from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
-from .handshake_ledger import Entry, Ledgers, diverged_message
-from .order_check import CHECK_ENV, MAGIC, ExecutionOrderError
+from .divergence import (
+    ALL_GATHER,
+    ALL_REDUCE,
+    KINDS,
+    MAGIC,
+    ONLY_REDUCES,
+    REDUCE_SCATTER,
+    ExecutionOrderError,
+    check_mode,
+    diverged_message,
+    entry_line,
+)
+from .handshake_ledger import Entry, Ledgers
 
-KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3  # ALL_REDUCE: HSDP's sum across replicas
-ONLY_REDUCES = 4  # a handshake for the waiting reduce-scatters alone (no collective of its own follows)
 FIELDS = 6  # magic, group id, kind, bytes, then the waiting reduce-scatters: how many, and their digest
 NAMED_REDUCES = 8  # waiting reduce-scatters an error names per rank
 
@@ -68,8 +75,8 @@ class CollectiveError(RuntimeError):
 
 def handshake_kinds() -> frozenset[int]:
     """Which collectives get a handshake on every backend, from ``FSDP_COMPOSE_CHECK_ORDER``."""
-    mode = os.environ.get(CHECK_ENV, "1")
-    if mode in ("0", "tag"):
+    mode = check_mode()
+    if mode == "0":
         return frozenset()
     return frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
 
@@ -78,13 +85,10 @@ def gloo_handshake_kinds() -> frozenset[int]:
     """Which collectives get a handshake on gloo: all of them unless the check is off.
 
     On gloo the handshake is a host-side check before the collective, which is what keeps a
-    divergence from reaching gloo's abort; a reduce-scatter's adds one tiny all-gather per
-    reduction (about 0.3 ms on loopback, docs/benchmarks.md). HSDP's all-reduce across replicas
-    gets one too: ranks of different replicas never meet in a shard group's handshake, so
-    replicas that ran different modules would otherwise sum different groups' gradients."""
-    if os.environ.get(CHECK_ENV, "1") in ("0", "tag"):
-        return frozenset()
-    return frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
+    divergence from reaching gloo's abort. HSDP's all-reduce across replicas gets one too: ranks of
+    different replicas never meet in a shard group's handshake, so replicas that ran different
+    modules would otherwise sum different groups' gradients."""
+    return frozenset() if check_mode() == "0" else frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
 ALL_REDUCE_FROM = 9  # ranks from which a non-gloo group's handshake is an all-reduce
@@ -312,18 +316,18 @@ def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, describe:
     lines, kinds = [], []
     for i, (rank, (magic, uid, kind, nbytes, count, _)) in enumerate(zip(dist.get_process_group_ranks(group), rows)):
         if magic != MAGIC or (kind not in KINDS and kind != ONLY_REDUCES):
-            lines.append(f"  rank {rank}: <not a fully_shard collective>")
+            lines.append(entry_line(rank, magic, uid, kind, nbytes, describe))
             continue
         parts = []
         if count:
             listed = waiting[i]
             pairs = list(zip(listed[1::2], listed[2::2]))[: min(count, NAMED_REDUCES)]
-            parts += [f"reduce-scatter of {describe(u)}, {b} bytes" for u, b in pairs]
+            parts += [entry_line(rank, magic, u, REDUCE_SCATTER, b, describe).split(": ", 1)[1] for u, b in pairs]
             if count > NAMED_REDUCES:
                 parts.append(f"{count - NAMED_REDUCES} more reduce-scatters")
             kinds.append(REDUCE_SCATTER)
         if kind != ONLY_REDUCES:
-            parts.append(f"{KINDS[kind]} of {describe(uid)}, {nbytes} bytes")
+            parts.append(entry_line(rank, magic, uid, kind, nbytes, describe).split(": ", 1)[1])
             kinds.append(kind)
         lines.append(f"  rank {rank}: " + ", then ".join(parts))
     raise ExecutionOrderError(diverged_message(lines, kinds))

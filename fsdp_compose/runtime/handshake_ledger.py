@@ -30,34 +30,16 @@ from torch._subclasses.fake_tensor import is_fake
 
 from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
 from .clean_tls import python_free_tls
-from .order_check import MAGIC, ExecutionOrderError
+from .divergence import KINDS, MAGIC, ExecutionOrderError, diverged_message, entry_line
 
-KINDS = {1: "all-gather", 2: "reduce-scatter", 3: "all-reduce"}  # as in handshake.py
-BACKWARD_KINDS = (2, 3)  # the reduce-scatter and HSDP's all-reduce: issued when a module's backward is done
 SLOTS = 256  # rows per ledger buffer: a round closes early when they are used up
 RANK_BITS = 20  # the packed form's low bits: ranks of groups up to 2**20
 SHORT_MAGIC = MAGIC >> 24  # 40 bits, so a packed field fits in int64
 _FIELD_LIMIT = 1 << (63 - RANK_BITS)
-BACKWARD_HINT = (
-    "\n(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks "
-    "reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches "
-    "without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. "
-    "skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)"
-)
 FOUND_LATE = (
     "\n(on this backend the handshakes are compared on the device and judged when a step's backward ends, "
     "so the collectives after the first difference already ran)"
 )
-
-
-def diverged_message(lines: list[str], kinds: list[int]) -> str:
-    """The error every rank raises, from one line per rank named and the collective kinds in them."""
-    hint = BACKWARD_HINT if any(kind in BACKWARD_KINDS for kind in kinds) else ""
-    return (
-        "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
-        "a sharded module, ran a different number of forward calls, or ran modules in another order; "
-        "check data-dependent control flow):\n" + "\n".join(lines) + hint
-    )
 
 
 def gathers_entries(world: int) -> bool:
@@ -172,13 +154,8 @@ class Ledger:
         return dist.get_process_group_ranks(self.group)
 
     def _name_entries(self, row: torch.Tensor) -> list[str]:
-        lines = []
-        for rank, (magic, uid, kind, nbytes) in zip(self._ranks(), row.view(-1, 4).tolist()):
-            if magic != MAGIC or kind not in KINDS:
-                lines.append(f"  rank {rank}: <not a fully_shard collective>")
-            else:
-                lines.append(f"  rank {rank}: {KINDS[kind]} of {self.describe(uid)}, {nbytes} bytes")
-        return lines
+        entries = zip(self._ranks(), row.view(-1, 4).tolist())
+        return [entry_line(rank, *entry, self.describe) for rank, entry in entries]
 
     def _name_extremes(self, row: torch.Tensor) -> list[str]:
         """Two ranks that disagree, from the largest and smallest of the first field that differs."""
@@ -193,12 +170,11 @@ class Ledger:
         for side, packed in zip(values, (largest, smallest)):
             rank = ranks[packed[field] & mask]
             magic, uid, kind, nbytes = side
-            if magic != SHORT_MAGIC or kind not in KINDS:
-                named[rank] = f"  rank {rank}: <not a fully_shard collective>"
-                continue
-            what = KINDS[kind] if agreed[2] or field == 2 else "a collective"
-            size = f", {nbytes} bytes" if agreed[3] or field == 3 else ""
-            named[rank] = f"  rank {rank}: {what} of {self.describe(uid)}{size}"
+            magic = MAGIC if magic == SHORT_MAGIC else magic
+            size = nbytes if agreed[3] or field == 3 else None
+            named[rank] = entry_line(rank, magic, uid, kind, size, self.describe)
+            if magic == MAGIC and kind in KINDS and not (agreed[2] or field == 2):  # the kind is not known
+                named[rank] = named[rank].replace(KINDS[kind], "a collective", 1)
         lines = [named[rank] for rank in sorted(named)]
         lines.append(f"  (the largest and smallest entries of {self.world} ranks; the others are not named)")
         return lines

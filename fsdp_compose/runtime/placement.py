@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import Shard
 
-from .params import ShardedParam, alias, contiguous_strides
+from .param_layout import alias, contiguous_strides
+from .params import ShardedParam
 
 
 def resolve_shard_dim(

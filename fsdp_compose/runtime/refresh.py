@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..policies import collective_dtypes
-from .params import ShardedParam, contiguous_strides
+from .param_layout import contiguous_strides
+from .params import ShardedParam
 from .state import GroupState, class_name, register_owner
 
 

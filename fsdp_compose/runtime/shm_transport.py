@@ -59,8 +59,8 @@ import torch.distributed as dist
 
 from .c10d_direct import ASYNC_ALL_GATHER, COMPLETED, all_gather_into, reduce_scatter_sum
 from .clean_tls import python_free_tls
+from .divergence import MAGIC, ExecutionOrderError
 from .handshake import ALL_GATHER, KINDS, REDUCE_SCATTER, wait_named
-from .order_check import MAGIC, ExecutionOrderError
 
 TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
 CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"

@@ -41,7 +41,7 @@ def test_reshard_to_two_of_four_ranks():
     results = run_on_ranks(4, _parity, 2)
     assert_parity(results)
     for r in results:
-        assert 0.5 <= r["kept_after_forward"] < 0.52  # half of the full group (plus a 16-byte tag in mode "tag")
+        assert 0.5 <= r["kept_after_forward"] < 0.52  # half of the full group
         # the 3 blocks and the root (an explicit value applies to the root too), within pairs of ranks
         assert r["backward_gather_group_sizes"] == [2, 2, 2, 2]
         assert r["after_backward"] == 0

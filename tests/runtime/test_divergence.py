@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
+from fsdp_compose.runtime.divergence import CHECK_ENV, ExecutionOrderError
 from fsdp_compose.runtime.handshake import CollectiveError
-from fsdp_compose.runtime.order_check import CHECK_ENV, ExecutionOrderError
 from tests.harness import run_on_ranks
 from tests.models import (
     TinyLM,

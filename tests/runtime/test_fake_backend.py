@@ -24,7 +24,7 @@ from torch import nn
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime.order_check import ExecutionOrderError
+from fsdp_compose.runtime.divergence import ExecutionOrderError
 from tests.runtime.test_threaded_ranks import HANG_LIMIT_S, _abort_hung_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,6 +1,5 @@
 """Execution order, prefetch, the in-flight limit, and the cross-rank order check."""
 
-import os
 import warnings
 from contextlib import contextmanager
 
@@ -8,8 +7,8 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 
+from fsdp_compose.runtime.divergence import ExecutionOrderError
 from fsdp_compose.runtime.group import ParamGroup
-from fsdp_compose.runtime.order_check import ExecutionOrderError
 from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
@@ -135,16 +134,9 @@ def test_in_flight_limit_bounds_unsharded_groups():
 
 
 def _diverging_order():
-    """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train.
-
-    Runs in ``tag`` mode, so the 16-byte tag inside the all-gather is what catches it (the
-    default handshake is tested in test_divergence.py).
-    """
-    os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "tag"
-    try:
-        model = sharded_lm()
-    finally:
-        del os.environ["FSDP_COMPOSE_CHECK_ORDER"]
+    """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train (the handshake
+    compares group ids, so equal sizes do not hide it)."""
+    model = sharded_lm()
     if dist.get_rank() == 1:
         model.blocks = torch.nn.ModuleList(list(model.blocks)[::-1])
     shards = [p for m in model.modules() if (s := state_of(m)) for p in s.group.params]
@@ -161,13 +153,14 @@ def test_ranks_running_different_orders_raise_everywhere():
     results = run_on_ranks(2, _diverging_order, timeout=60)
     assert all(unchanged for _, unchanged in results)  # no step taken, no gradient produced
     # rank 1 reordered its own module tree, so it names the same groups by its own paths
-    assert "rank 0: 'blocks.2' (Block)" in results[1][0] and "rank 1: 'blocks.0' (Block)" in results[1][0]
+    assert "rank 0: all-gather of 'blocks.2' (Block)" in results[1][0]
+    assert "rank 1: all-gather of 'blocks.0' (Block)" in results[1][0]
     assert_expected_inline(
         results[0][0],
         """\
-Ranks all-gathered different sharded modules; every rank must run fully_shard modules in the same order (check data-dependent control flow):
-  rank 0: 'blocks.0' (Block)
-  rank 1: 'blocks.2' (Block)""",
+Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: all-gather of 'blocks.0' (Block), 1736 bytes
+  rank 1: all-gather of 'blocks.2' (Block), 1736 bytes""",
     )
 
 

@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from fsdp_compose import fully_shard
 from fsdp_compose.runtime import shm_transport
 from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
-from fsdp_compose.runtime.order_check import CHECK_ENV, ExecutionOrderError
+from fsdp_compose.runtime.divergence import CHECK_ENV, ExecutionOrderError
 from fsdp_compose.runtime.shm_transport import GatheredRows
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference

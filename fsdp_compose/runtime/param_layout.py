@@ -1,0 +1,111 @@
+"""Where a managed parameter is registered and how its shard is laid out, and the views built from them.
+
+Plain data and small tensor helpers shared by ``params.py`` (one parameter), ``placement.py``
+(``Shard(d)``), ``refresh.py`` and the API's placement of parameters on meshes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+
+@dataclass
+class ParamPlace:
+    """Where a parameter is registered: ``module._parameters[name]``."""
+
+    module: nn.Module
+    name: str
+
+
+@dataclass(frozen=True)
+class ParamLayout:
+    """Where and in which dtypes one parameter lives, from the group's policies.
+
+    ``storage_device`` holds the shard, its gradient and (through the optimizer) its state;
+    ``compute_device`` holds the unsharded parameter. They differ only under CPU offload.
+    """
+
+    compute_device: torch.device
+    storage_device: torch.device
+    gather_dtype: torch.dtype  # dtype of the all-gather and of the unsharded parameter
+    reduce_dtype: torch.dtype  # dtype of the gradient reduce-scatter
+    pin_memory: bool = False
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, running = [], 1
+    for size in reversed(shape):
+        strides.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
+    """A tensor over ``storage_owner``'s storage with its own version counter.
+
+    Writing through it (copy-out after an all-gather) does not bump the version of the
+    unsharded parameter that autograd saved, which is the point.
+    """
+    out = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
+    return out.set_(storage_owner.untyped_storage(), 0, shape, strides)
+
+
+def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
+    """A DTensor with ``param``'s layout around ``local``, reusing its spec.
+
+    ``DTensor.from_local`` validates and rebuilds the spec through an autograd function,
+    which costs tens of microseconds per gradient; the layout here is known to match. Calling
+    ``__new__`` skips ``DTensor.__init__``, which does nothing but pass through a
+    dynamo-disabling wrapper (a few microseconds per gradient).
+    """
+    return DTensor.__new__(DTensor, local, param._spec, requires_grad=False)  # DTensor.__init__ does nothing
+
+
+def spmd_layout(
+    dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str, dim: int = 0
+) -> tuple[DeviceMesh, list[Placement]]:
+    """The mesh and placements of a shard: data-parallel alone, or data x tensor parallel.
+
+    A tensor-parallel parameter's local tensor is sharded again on ``dim`` over ``dp_mesh``; the
+    result is described on the mesh both come from. When TP also shards ``dim`` and its mesh dim
+    comes after dp's, TP chunks first, which ``_StridedShard`` expresses.
+    """
+    if tp_param is None:
+        return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(dim)]
+    tp_mesh, (tp_placement,) = tp_param.device_mesh, tp_param.placements
+    root = dp_mesh._get_root_mesh()
+    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root.ndim != 2:
+        raise ValueError(
+            f"parameter '{fqn}' is a DTensor on mesh {tp_mesh}; fully_shard can shard it further only when "
+            "it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. "
+            "mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])"
+        )
+    if tp_placement.is_partial():
+        raise ValueError(f"parameter '{fqn}' is a Partial DTensor; shard or replicate it before fully_shard")
+    dp_dim = root.mesh_dim_names.index(dp_mesh.mesh_dim_names[0])
+    tp_dim = root.mesh_dim_names.index(tp_mesh.mesh_dim_names[0])
+    placements: list[Placement] = [Replicate(), Replicate()]
+    placements[tp_dim] = tp_placement
+    strided = tp_placement.is_shard(dim) and tp_dim > dp_dim
+    placements[dp_dim] = _StridedShard(dim, split_factor=tp_mesh.size()) if strided else Shard(dim)
+    return root, placements
+
+
+def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor:
+    """The local gradient laid out like the parameter (``spec``) on every mesh dim but data-parallel ones.
+
+    DTensor may return a gradient in another layout than its parameter's (a replicated gradient
+    of a TP-sharded weight); the reduce-scatter needs the parameter's local layout. On the data-
+    parallel dims of a full SPMD mesh the gradient is left as it is: the reduction handles those.
+    """
+    if tuple(grad.placements) == tuple(spec.placements):
+        return grad._local_tensor
+    pairs = enumerate(zip(grad.placements, spec.placements))
+    want = [have if dim in dp_dims else target for dim, (have, target) in pairs]
+    return grad.redistribute(grad.device_mesh, want)._local_tensor
