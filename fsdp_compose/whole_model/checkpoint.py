@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import checkpoint_integrity as integrity
 from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
-from .walk import reshard_idle
+from .model_groups import reshard_idle
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:
