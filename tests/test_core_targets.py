@@ -12,7 +12,7 @@ from tests.harness import run_on_ranks
 from tools import core_targets
 
 API_AND_RUNTIME_LINES_CEILING = 5407
-PACKAGE_LINES_CEILING = 7862
+PACKAGE_LINES_CEILING = 7843
 FILES_OVER_400_CEILING = {"fsdp_compose/runtime/params.py", "fsdp_compose/runtime/shm_transport.py"}
 PRE_FORWARD_MODULES_CEILING = 12
 FUNCTION_LEVEL_IMPORTS_CEILING = 8
