@@ -15,7 +15,7 @@ from .comm import AllGather, Comm, ReduceScatter
 from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
-from .module_knobs import share_comm_ctx
+from .module_settings import share_comm_ctx
 from .observe.estimate import Estimate, estimate
 from .observe.explain import Explanation, collective_bytes, explain
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy

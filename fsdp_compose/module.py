@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .module_knobs import FSDPModuleKnobs
+from .module_settings import FSDPModuleSettings
 from .runtime.hooks.call import call_sharded, sole_hooks_state
 from .runtime.hooks.not_traced import dynamo_frame_callback, frame_not_traced
 from .runtime.refresh import refresh_params
@@ -37,7 +37,7 @@ class DeepcopyUnsupportedError(RuntimeError, AssertionError):
     """``copy.deepcopy`` of a sharded module (an ``AssertionError`` in torch's FSDP2 too)."""
 
 
-class FSDPModule(FSDPModuleKnobs):
+class FSDPModule(FSDPModuleSettings):
     """Interface of every module ``fully_shard`` was called on."""
 
     def __new__(cls, *args, **kwargs):
@@ -156,7 +156,7 @@ class FSDPModule(FSDPModuleKnobs):
 
 
 interface_classes.add(FSDPModule)
-interface_classes.add(FSDPModuleKnobs)
+interface_classes.add(FSDPModuleSettings)
 
 
 def _state_for_prefetch(module: nn.Module) -> GroupState:

@@ -22,7 +22,7 @@ from fsdp_compose.api import fully_shard
 from fsdp_compose.comm import AllGather, Comm, ReduceScatter
 from fsdp_compose.forward_methods import register_fsdp_forward_method
 from fsdp_compose.module import FSDPModule, UnshardHandle
-from fsdp_compose.module_knobs import share_comm_ctx
+from fsdp_compose.module_settings import share_comm_ctx
 from fsdp_compose.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from fsdp_compose.spmd_mesh import DataParallelMeshDims
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..runtime.schedule import backward_prefetch_targets, forward_prefetch_targets
 from ..runtime.state import GroupState, state_of, states_in
 from . import memory, plan
 from .plan import GroupPlan
@@ -185,33 +186,17 @@ def explain(
         if r.root is not None and r.root.reference_forward_order:
             orders[r] = [s for s in r.root.reference_forward_order if s in names]
 
-    def forward_targets(s: GroupState) -> list[GroupState]:
-        if s.forward_prefetch is not None:
-            return s.forward_prefetch
-        order = orders[root_of[s]]
-        i = order.index(s) if s in order else len(order)
-        return order[i + 1 : i + 1 + prefetch_limit]
-
-    def backward_targets(s: GroupState, post_forward_order: list[GroupState]) -> list[GroupState]:
-        if s.backward_prefetch is not None:
-            return s.backward_prefetch
-        order = [t for t in post_forward_order if root_of[t] is root_of[s]]
-        if s not in order:
-            return []
-        i = order.index(s)
-        return order[max(0, i - prefetch_limit) : i][::-1]
-
     sizes = {s: plan.sizes_of(s) for s in states}
     held = _backend(states[0]) != "gloo"
-    result = memory.replay(calls, param_pos, sizes, names, roots, forward_targets, backward_targets, reduce_limit, held)
-    post_forward_order = _post_forward_order(calls)
+    schedules = memory.schedules_after_first_step(root_of, orders, prefetch_limit)
+    result = memory.replay(calls, param_pos, sizes, names, roots, schedules, reduce_limit, held)
     groups = [
         plan.plan_group(
             s,
             names[s],
             s in roots,
-            [names[t] for t in forward_targets(s)],
-            [names[t] for t in backward_targets(s, post_forward_order)],
+            [names[t] for t in forward_prefetch_targets(schedules[s], s)],
+            [names[t] for t in backward_prefetch_targets(schedules[s], s)],
         )
         for s in states
     ]
@@ -244,20 +229,6 @@ def _roots(model: nn.Module, states: list[GroupState]) -> dict[GroupState, Group
             root_of.setdefault(state, state.root.root_state if state.root is not None else above)
         stack.extend((child, above) for child in reversed(list(module.children())))
     return root_of
-
-
-def _post_forward_order(calls: list[memory.Call]) -> list[GroupState]:
-    order, open_calls = [], []
-    for call in calls:
-        while open_calls and open_calls[-1].end < call.start:
-            s = open_calls.pop().state
-            if s not in order:
-                order.append(s)
-        open_calls.append(call)
-    for call in reversed(open_calls):
-        if call.state not in order:
-            order.append(call.state)
-    return order
 
 
 def _optimizer_bytes(states: list[GroupState], optimizer: torch.optim.Optimizer | None) -> tuple[int, str]:

@@ -20,7 +20,14 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..runtime.state import GroupState
+from ..runtime.schedule import (
+    backward_prefetch_targets,
+    end_backward,
+    forward_prefetch_targets,
+    record_post_forward,
+    record_pre_forward,
+)
+from ..runtime.state import GroupState, RootState
 from .plan import GroupSizes
 
 
@@ -66,6 +73,24 @@ def forward_calls(model: nn.Module, states: list[GroupState]) -> tuple[list[Call
     return calls, param_pos
 
 
+def schedules_after_first_step(
+    root_of: dict[GroupState, GroupState], orders: dict[GroupState, list[GroupState]], prefetch_limit: int
+) -> dict[GroupState, RootState]:
+    """Each group's schedule: a scratch ``RootState`` per root whose first step ran ``orders[root]``.
+
+    The runtime's own schedule functions (``runtime/schedule.py``) then record the replayed step
+    and give its prefetch targets, so the replay cannot drift from what training does.
+    """
+    by_root = {}
+    for root, order in orders.items():
+        schedule = by_root[root] = RootState(root, [s for s, r in root_of.items() if r is root])
+        schedule.prefetch_limit = prefetch_limit
+        for s in order:
+            record_pre_forward(schedule, s)
+        end_backward(schedule)  # the reference order; the replay's first record ends the first step
+    return {s: by_root[r] for s, r in root_of.items()}
+
+
 class _Live:
     def __init__(self) -> None:
         self.bytes: dict[tuple, int] = {}
@@ -91,12 +116,13 @@ def replay(
     sizes: dict[GroupState, GroupSizes],
     names: dict[GroupState, str],
     roots: set[GroupState],
-    forward_targets,
-    backward_targets,
+    schedules: dict[GroupState, RootState],
     reduce_limit: int,
     reduce_input_held: bool = True,
 ) -> Replay:
-    """``reduce_input_held``: the backend keeps the reduce-scatter input until the wait (NCCL);
+    """Replay a step on byte counts; ``schedules`` (``schedules_after_first_step``) records it.
+
+    ``reduce_input_held``: the backend keeps the reduce-scatter input until the wait (NCCL);
     gloo copies it when the collective is issued, so the input dies at once."""
     live = _Live()
     unsharded: set[GroupState] = set()
@@ -140,19 +166,19 @@ def replay(
 
     # ----- forward ------------------------------------------------------------------------
     open_calls: list[Call] = []
-    post_forward_order: list[GroupState] = []
 
     def post_forward(call: Call) -> None:
         s = call.state
-        if s not in post_forward_order:
-            post_forward_order.append(s)
+        record_post_forward(schedules[s], s)
         if s.reshards_after_forward(s in roots):
             reshard(s, after_forward=True)
 
     for call in calls:
         while open_calls and open_calls[-1].end < call.start:
             post_forward(open_calls.pop())
-        unshard_with_prefetch(call.state, forward_targets(call.state), f"forward {names[call.state]}")
+        s = call.state
+        record_pre_forward(schedules[s], s)
+        unshard_with_prefetch(s, forward_prefetch_targets(schedules[s], s), f"forward {names[s]}")
         open_calls.append(call)
     while open_calls:
         post_forward(open_calls.pop())
@@ -171,7 +197,7 @@ def replay(
         if s in pre_done:
             return
         pre_done.add(s)
-        unshard_with_prefetch(s, backward_targets(s, post_forward_order), f"backward {names[s]}")
+        unshard_with_prefetch(s, backward_prefetch_targets(schedules[s], s), f"backward {names[s]}")
 
     def finish_reduce(s: GroupState, i: int) -> None:
         live.drop(("table", s, i))

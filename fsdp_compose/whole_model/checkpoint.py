@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import checkpoint_integrity as integrity
 from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
-from .walk import reshard_idle
+from .model_groups import reshard_idle
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:
@@ -59,29 +59,15 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-_faults: set[str] = set()  # tests: write points at which a save "dies" (see inject_fault)
-
-
-class InjectedFault(Exception):
-    """Raised at a write point named in ``_faults``: the disk is left as a crash there would."""
-
-
-def _fault(point: str) -> None:
-    if point in _faults:
-        raise InjectedFault(point)
-
-
 def _publish(path: Path, partial: Path, previous: Path, keep_previous: bool) -> None:
     """Rank 0: put the complete new checkpoint in place, keeping the old one until then."""
     if path.exists():
         if previous.exists():
             shutil.rmtree(previous)
         path.rename(previous)
-    _fault("between-renames")
     (partial / integrity.OWNER).unlink(missing_ok=True)
     partial.rename(path)
     _fsync_dir(path.parent)
-    _fault("after-rename")
     if previous.exists() and not keep_previous:
         shutil.rmtree(previous)
 
@@ -137,14 +123,12 @@ def save_checkpoint(
             shutil.rmtree(partial)  # left by an interrupted save
         partial.mkdir(parents=True)
         integrity.claim(partial)
-        _fault("prepared")
 
     try:
         _on_rank0_then_all(prepare, "preparing")
         dcp.save(flat, checkpoint_id=partial)
         dist.barrier()  # every rank's files are written
         manifest = integrity.record_checksums(partial)
-        _on_rank0_then_all(lambda: _fault("written"), "writing")
         _on_rank0_then_all(lambda: integrity.write_manifest(partial, manifest), "recording checksums")
         _on_rank0_then_all(lambda: _publish(path, partial, previous, keep_previous), "publishing")
     finally:

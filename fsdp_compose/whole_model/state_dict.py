@@ -21,8 +21,8 @@ from ..runtime.collectives import CommStats, GatherLayout, all_gather_flat
 from ..runtime.extensions import is_wrapper_subclass
 from ..runtime.params import ShardedParam
 from ..runtime.state import GroupState
+from .model_groups import check_idle, group_states, reshard_idle
 from .state_dict_hooks import local_part
-from .walk import check_idle, group_states, reshard_idle
 
 
 def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[torch.Tensor | None]:

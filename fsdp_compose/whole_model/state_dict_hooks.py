@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from ..runtime.params import ShardedParam
 from ..runtime.refresh import refresh_params
 from ..runtime.state import GroupState
-from .walk import check_idle
+from .model_groups import check_idle
 
 
 def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:

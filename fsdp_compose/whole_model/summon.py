@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..runtime.params import ShardedParam
+from .model_groups import group_states, reshard_idle
 from .state_dict_hooks import local_part
-from .walk import group_states, reshard_idle
 
 
 def _exact_full(p: ShardedParam) -> nn.Parameter | None:

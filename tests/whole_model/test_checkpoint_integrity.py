@@ -12,11 +12,13 @@ import os
 import shutil
 import warnings
 from pathlib import Path
+from unittest import mock
 
 import torch.distributed as dist
 
 from fsdp_compose import CheckpointError, load_checkpoint, save_checkpoint
 from fsdp_compose.whole_model import checkpoint as ckpt_module
+from fsdp_compose.whole_model import checkpoint_integrity as integrity
 from tests.harness import run_on_ranks
 from tests.whole_model.test_checkpoint import _setup, _train
 
@@ -88,19 +90,57 @@ def test_corrupt_files_are_refused_by_name_on_every_rank(tmp_path):
         assert fell_back == "step 1 (fell back)", (name, how, fell_back)
 
 
+class Crash(Exception):
+    """A save "dies" here: the disk is left as a crash at this point would leave it."""
+
+
+def _then_crash(step):
+    def run_then_crash(*args, **kwargs):
+        step(*args, **kwargs)
+        raise Crash
+
+    return run_then_crash
+
+
+def _crash_publishing_rename(rename):
+    def rename_unless_publishing(self, target):
+        if self.name.endswith(".partial"):
+            raise Crash
+        return rename(self, target)
+
+    return rename_unless_publishing
+
+
+# each write point of a save, and the step patched to die there (every one runs on rank 0)
+CRASH_POINTS = {
+    # the .partial directory exists and is claimed; nothing is written
+    "prepared": lambda: mock.patch.object(integrity, "claim", _then_crash(integrity.claim)),
+    # every rank's files are written; no checksums recorded
+    "written": lambda: mock.patch.object(integrity, "write_manifest", side_effect=Crash),
+    # the old checkpoint moved aside; the new one not yet in its place
+    "between-renames": lambda: mock.patch.object(Path, "rename", _crash_publishing_rename(Path.rename)),
+    # the new checkpoint in place; the previous one not yet removed
+    "after-rename": lambda: mock.patch.object(ckpt_module, "_fsync_dir", _then_crash(ckpt_module._fsync_dir)),
+}
+DIED_WHILE = {
+    "prepared": "preparing",
+    "written": "recording checksums",
+    "between-renames": "publishing",
+    "after-rename": "publishing",
+}
+
+
 def _kill_at(root: str, point: str) -> dict:
     path = Path(root, point)
     model, opt = _setup()
     for step in (1, 2):
         save_checkpoint(path, model, opt, step=step)
-    ckpt_module._faults.add(point)
-    try:
-        save_checkpoint(path, model, opt, step=3)
-        died = "saved"
-    except CheckpointError as error:
-        died = str(error).split(":")[0]
-    finally:
-        ckpt_module._faults.clear()
+    with CRASH_POINTS[point]():
+        try:
+            save_checkpoint(path, model, opt, step=3)
+            died = "saved"
+        except CheckpointError as error:
+            died = str(error).split(":")[0]
     fresh, fresh_opt = _setup(seed=5)
     loaded = _load(path, fresh, fresh_opt)
     save_checkpoint(path, model, opt, step=4)  # cleans whatever the dead save left
@@ -109,7 +149,7 @@ def _kill_at(root: str, point: str) -> dict:
 
 
 def _faults(root: str) -> dict:
-    out = {point: _kill_at(root, point) for point in ("prepared", "written", "between-renames", "after-rename")}
+    out = {point: _kill_at(root, point) for point in CRASH_POINTS}
     # a .partial that a live process on this host owns is not deleted by another save
     path = Path(root, "owned")
     model, opt = _setup()
@@ -132,9 +172,13 @@ def test_a_save_killed_at_each_write_point_leaves_a_loadable_checkpoint(tmp_path
     results = run_on_ranks(2, _faults, str(tmp_path), timeout=180)
     assert results[0] == results[1]
     r = results[0]
-    for point, loaded in [("prepared", "step 2"), ("written", "step 2"), ("between-renames", "step 2"),
-                          ("after-rename", "step 3")]:
-        assert r[point]["died"] == f"save_checkpoint failed while {'preparing' if point == 'prepared' else 'writing' if point == 'written' else 'publishing'} on rank 0", r[point]
+    for point, loaded in [
+        ("prepared", "step 2"),
+        ("written", "step 2"),
+        ("between-renames", "step 2"),
+        ("after-rename", "step 3"),
+    ]:
+        assert r[point]["died"] == f"save_checkpoint failed while {DIED_WHILE[point]} on rank 0", r[point]
         assert r[point]["loaded"] == loaded, (point, r[point])
         assert r[point]["left"] == [f".{point}.previous", point], (point, r[point])  # no .partial left
         assert r[point]["after"] == "step 4"

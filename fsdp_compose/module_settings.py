@@ -1,8 +1,8 @@
-"""The rest of torch FSDP2's ``FSDPModule`` methods: recovery, reduction and communication knobs.
+"""The rest of torch FSDP2's ``FSDPModule`` methods: recovery, reduction and communication settings.
 
 Mixed into ``FSDPModule``. Each method only records a setting on the group state or the
 group's ``CommOptions``; the runtime reads them where collectives are issued. Where torch's
-knob is about CUDA streams or NCCL and has no meaning on a CPU/gloo group, the method says so
+setting is about CUDA streams or NCCL and has no meaning on a CPU/gloo group, the method says so
 with an error rather than accepting the call and doing something else.
 """
 
@@ -22,7 +22,7 @@ from .runtime.recovery import reset_iteration
 from .runtime.state import GroupState, class_name, state_of, states_in
 
 
-class FSDPModuleKnobs:
+class FSDPModuleSettings:
     """Methods of ``FSDPModule`` beyond unshard/reshard/sync (see ``module.py``)."""
 
     # provided by FSDPModule
@@ -193,7 +193,7 @@ class FSDPModuleKnobs:
             hook = _on_stream(hook, stream)
         group.comm.all_reduce_hook = hook
 
-    # ----- accelerator-only knobs -------------------------------------------------------
+    # ----- accelerator-only settings ----------------------------------------------------
     def set_post_optim_event(self, event: torch.Event) -> None:
         """Make the root's next all-gathers wait for ``event`` (recorded after the optimizer step).
 

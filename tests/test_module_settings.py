@@ -1,4 +1,4 @@
-"""torch FSDP2's remaining FSDPModule knobs, on real gloo ranks against an unsharded reference."""
+"""torch FSDP2's remaining FSDPModule settings, on real gloo ranks against an unsharded reference."""
 
 import copy
 import warnings
@@ -175,29 +175,29 @@ def _expert_step(model, batch, rank, world_size):
     return loss
 
 
-def _knobs_parity(knob):
+def _settings_parity(setting):
     def shard(model):
         blocks = [model.lm.blocks[0]] if isinstance(model, TwoExperts) else list(model.blocks)
         for block in blocks:
             fully_shard(block)
         fully_shard(model)
-        if knob == "unused":
+        if setting == "unused":
             model.set_reduce_scatter_unused_params(True)
-        elif knob == "buffers":
+        elif setting == "buffers":
             model.set_reduce_scatter_max_input_buffers(1)
-        elif knob == "separate":
+        elif setting == "separate":
             model.set_separate_reduce_scatter_group()
             group = state_of(model).group
             assert group.comm.reduce_process_group not in (None, group.process_group)
 
-    if knob == "unused":
+    if setting == "unused":
         return train_against_reference(TwoExperts, shard, step_fn=_expert_step, steps=3)
     return train_against_reference(TinyLM, shard, steps=3)
 
 
-@pytest.mark.parametrize("knob", ["unused", "buffers", "separate"])
-def test_reduction_knobs_keep_parity(knob):
-    assert_parity(run_on_ranks(2, _knobs_parity, knob))
+@pytest.mark.parametrize("setting", ["unused", "buffers", "separate"])
+def test_reduction_settings_keep_parity(setting):
+    assert_parity(run_on_ranks(2, _settings_parity, setting))
 
 
 def test_max_input_buffers_validation(single_rank_group):
@@ -325,8 +325,8 @@ def test_all_reduce_hook_replicates_across_ranks():
     assert [r["hook_calls"] for r in results] == [12, 12]  # 4 groups x 3 steps
 
 
-# ----- accelerator-only knobs on CPU ------------------------------------------------------
-def test_accelerator_knobs_on_cpu_say_what_they_do(single_rank_group):
+# ----- accelerator-only settings on CPU ---------------------------------------------------
+def test_accelerator_settings_on_cpu_say_what_they_do(single_rank_group):
     block = Block()
     fully_shard(block)
     assert_expected_inline(

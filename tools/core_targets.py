@@ -1,0 +1,199 @@
+"""Print issue 23's size and coupling targets for ``fsdp_compose/``: each target, today's value, met or not.
+
+    python tools/core_targets.py
+
+Lines are counted as ``wc -l`` counts them (newline characters). "API plus runtime" is every
+``fsdp_compose/*.py`` at the top level plus everything under ``fsdp_compose/runtime/``. The
+pre-forward count runs a 2-block model on a 1-rank gloo group, takes one warm-up step, then
+follows each block's forward pre-hook with ``sys.setprofile`` and counts the distinct files under
+``fsdp_compose/`` whose Python frames start between the hook's entry and its return.
+``tests/test_core_targets.py`` keeps these numbers from growing.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "fsdp_compose"
+
+API_AND_RUNTIME_TARGET = 3500
+PACKAGE_TARGET = 5000
+FILE_TARGET = 400
+PRE_FORWARD_MODULES_TARGET = 8
+FUNCTION_IMPORTS_TARGET = 0
+
+
+def line_count(path: Path) -> int:
+    """Lines of ``path`` as ``wc -l`` counts them: its newline characters."""
+    return path.read_bytes().count(b"\n")
+
+
+def package_files(package: Path = PACKAGE) -> list[Path]:
+    return sorted(package.rglob("*.py"))
+
+
+def api_and_runtime_files(package: Path = PACKAGE) -> list[Path]:
+    return sorted(package.glob("*.py")) + sorted((package / "runtime").rglob("*.py"))
+
+
+def total_lines(files: list[Path]) -> int:
+    return sum(line_count(f) for f in files)
+
+
+def files_over(limit: int, package: Path = PACKAGE) -> dict[str, int]:
+    """Files of the package longer than ``limit`` lines, by path relative to the repository."""
+    counts = {str(f.relative_to(package.parent)): line_count(f) for f in package_files(package)}
+    return {name: n for name, n in counts.items() if n > limit}
+
+
+def function_level_imports(package: Path = PACKAGE) -> list[str]:
+    """``import`` statements inside a function or class body, as ``path:line: statement``.
+
+    Imports under a module-level ``if``/``try`` count as top level: they run at import time.
+    """
+    found = []
+    for path in package_files(package):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        nested_in = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+        for scope in ast.walk(tree):
+            if not isinstance(scope, nested_in):
+                continue
+            for node in ast.walk(scope):
+                if isinstance(node, (ast.Import, ast.ImportFrom)):
+                    where = f"{path.relative_to(package.parent)}:{node.lineno}"
+                    found.append(f"{where}: {ast.unparse(node)}")
+    return sorted(set(found), key=lambda s: (s.split(":")[0], int(s.split(":")[1])))
+
+
+def _hook_functions(hook: object) -> list:
+    """A registered hook and the functions it wraps, through ``functools.partial`` and ``__wrapped__``."""
+    functions = []
+    while True:
+        if isinstance(hook, functools.partial):
+            hook = hook.func
+            continue
+        if hasattr(hook, "__code__"):
+            functions.append(hook)
+        if not hasattr(hook, "__wrapped__"):
+            return functions
+        hook = hook.__wrapped__
+
+
+def pre_forward_modules() -> dict[str, list[str]]:
+    """Files under ``fsdp_compose/`` whose code runs in each block's forward pre-hook, by block name.
+
+    Needs an initialized default process group (any size; issue 23 measures 1 rank of gloo). The
+    hook's entry is the registered pre-hook or the function named ``pre_forward`` in the module
+    that defines it (which the sharded call's fast path calls directly, without the hook).
+    """
+    import torch
+    from torch import nn
+
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+        nn.Linear(16, 4),
+    )
+    blocks = {"1": model[1], "2": model[2]}
+    for block in blocks.values():
+        fully_shard(block)
+    fully_shard(model)
+
+    functions = [f for hook in model[1]._forward_pre_hooks.values() for f in _hook_functions(hook)]
+    for defining in {sys.modules[f.__module__] for f in functions}:
+        if callable(getattr(defining, "pre_forward", None)):
+            functions += _hook_functions(defining.pre_forward)
+    entries = {f.__code__ for f in functions}
+    package_dir = str(PACKAGE) + os.sep
+    block_ids = {id(b): name for name, b in blocks.items()}
+    touched: dict[str, set[str]] = {name: set() for name in blocks}
+    current: list = []  # [entry frame, block name] while inside a block's pre-hook
+
+    def profile(frame, event, arg):
+        if event == "call":
+            if not current and frame.f_code in entries:
+                name = next((block_ids[id(v)] for v in frame.f_locals.values() if id(v) in block_ids), None)
+                if name is not None:
+                    current[:] = [frame, name]
+            if current and frame.f_code.co_filename.startswith(package_dir):
+                touched[current[1]].add(frame.f_code.co_filename)
+        elif event == "return" and current and frame is current[0]:
+            current.clear()
+
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # warm-up: lazy init, recorded order
+    sys.setprofile(profile)
+    try:
+        loss = model(x).sum()
+    finally:
+        sys.setprofile(None)
+    loss.backward()
+    return {name: sorted(str(Path(f).relative_to(PACKAGE.parent)) for f in files) for name, files in touched.items()}
+
+
+def pre_forward_module_count(by_block: dict[str, list[str]]) -> int:
+    """The most modules any one block's pre-hook touched."""
+    return max(len(files) for files in by_block.values())
+
+
+@dataclass
+class Target:
+    name: str
+    target: int
+    value: int
+
+    def line(self) -> str:
+        met = "met" if self.value <= self.target else "not met"
+        return f"{self.name:<40} target <= {self.target:<6} value {self.value:<6} {met}"
+
+
+def measure_pre_forward_in_process() -> dict[str, list[str]]:
+    """``pre_forward_modules`` on a fresh 1-rank gloo group in this process."""
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        return pre_forward_modules()
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    over = files_over(FILE_TARGET)
+    imports = function_level_imports()
+    by_block = measure_pre_forward_in_process()
+    targets = [
+        Target("lines: API + runtime/", API_AND_RUNTIME_TARGET, total_lines(api_and_runtime_files())),
+        Target("lines: whole fsdp_compose/", PACKAGE_TARGET, total_lines(package_files())),
+        Target(f"files over {FILE_TARGET} lines", 0, len(over)),
+        Target("modules one block pre-hook touches", PRE_FORWARD_MODULES_TARGET, pre_forward_module_count(by_block)),
+        Target("function-level imports", FUNCTION_IMPORTS_TARGET, len(imports)),
+    ]
+    for t in targets:
+        print(t.line())
+    print(f"\nfiles over {FILE_TARGET} lines:")
+    for name, n in sorted(over.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:5d} {name}")
+    for block, files in by_block.items():
+        print(f"\nblock {block}'s forward pre-hook touches {len(files)} modules:")
+        for f in files:
+            print(f"  {f}")
+    print("\nfunction-level imports:")
+    for imp in imports:
+        print(f"  {imp}")
+
+
+if __name__ == "__main__":
+    main()
