@@ -10,13 +10,13 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .mesh import default_mesh, mesh_device, post_forward_group
+from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
-from .policies import MixedPrecisionPolicy, OffloadPolicy, resolve_layout, validate_policies
+from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
 from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
-from .runtime.param_layout import ParamPlace
+from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.placement import make_sharded_param, resolve_shard_dim
 from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
@@ -246,7 +246,7 @@ def fully_shard(
             )
         spmd_mesh, mesh = mesh, data_parallel_mesh(class_name(module), mesh, dp_mesh_dims)
     _check_unsupported(module, mesh, {})
-    validate_policies(class_name(module), mesh.device_type, mp_policy, offload_policy)
+    validate_policies(class_name(module), mesh.device_type, default_device_type(), mp_policy, offload_policy)
     reshard_after_forward_chosen = reshard_after_forward is not None
     post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
     if post_forward_ranks is not None:  # as torch: 1 keeps everything (False), the group size is True

@@ -36,7 +36,11 @@ class CPUOffloadPolicy(OffloadPolicy):
 
 
 def validate_policies(
-    module_name: str, mesh_device_type: str, mp_policy: MixedPrecisionPolicy, offload_policy: OffloadPolicy
+    module_name: str,
+    mesh_device_type: str,
+    compute_device_type: str,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
 ) -> None:
     """Reject policies that cannot work, naming the module and the field at fault."""
     for field_name in ("param_dtype", "reduce_dtype", "output_dtype"):
@@ -45,18 +49,12 @@ def validate_policies(
             raise ValueError(
                 f"fully_shard({module_name}, mp_policy=...): {field_name}={dtype} is not a floating-point dtype"
             )
-    if isinstance(offload_policy, CPUOffloadPolicy) and mesh_device_type not in ("cpu", _accelerator_type()):
+    if isinstance(offload_policy, CPUOffloadPolicy) and mesh_device_type not in ("cpu", compute_device_type):
         raise ValueError(
             f"fully_shard({module_name}, offload_policy=CPUOffloadPolicy()): the mesh is on '{mesh_device_type}' "
-            f"but this process computes on '{_accelerator_type()}'; offloading moves shards between CPU and "
+            f"but this process computes on '{compute_device_type}'; offloading moves shards between CPU and "
             "the mesh's device, so build the mesh on the compute device"
         )
-
-
-def _accelerator_type() -> str:
-    from .mesh import default_device_type
-
-    return default_device_type()
 
 
 def collective_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
@@ -66,20 +64,3 @@ def collective_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tu
     if floating and mp_policy.reduce_dtype is not None:
         return gather_dtype, mp_policy.reduce_dtype
     return gather_dtype, gather_dtype
-
-
-def resolve_layout(
-    dtype: torch.dtype,
-    compute_device: torch.device,
-    mp_policy: MixedPrecisionPolicy,
-    offload_policy: OffloadPolicy,
-):
-    """Where one parameter's shard lives and which dtypes its collectives use."""
-    from .runtime.param_layout import ParamLayout
-
-    gather_dtype, reduce_dtype = collective_dtypes(dtype, mp_policy)
-    offload = isinstance(offload_policy, CPUOffloadPolicy) and compute_device.type != "meta"
-    storage_device = torch.device("cpu") if offload else compute_device
-    # pinning needs an accelerator; on a CPU-only build the shard is already where it computes
-    pin = offload and offload_policy.pin_memory and compute_device.type != "cpu"
-    return ParamLayout(compute_device, storage_device, gather_dtype, reduce_dtype, pin)

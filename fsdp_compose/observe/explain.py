@@ -19,6 +19,7 @@ from ..runtime.schedule import backward_prefetch_targets, forward_prefetch_targe
 from ..runtime.state import GroupState, state_of, states_in
 from . import memory, plan
 from .plan import GroupPlan
+from .storage import StorageTracker
 
 # optimizer state per parameter byte, for optimizers whose state is not created yet
 _STATE_FACTORS: dict[str, Callable[[dict], float]] = {
@@ -300,8 +301,6 @@ def _notes(root_state) -> list[str]:
 
 def _measure(model: nn.Module, batch: Any, loss_fn, explanation: Explanation) -> None:
     """One forward/backward under a storage tracker; gradients are put back as they were."""
-    from .storage import StorageTracker
-
     loss_fn = loss_fn or (lambda m, b: m(b).sum())
     params = list(model.parameters())
     saved = [p.grad for p in params]

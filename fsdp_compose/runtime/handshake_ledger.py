@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
@@ -149,8 +150,6 @@ class Ledger:
         raise ExecutionOrderError(diverged_message(lines, kinds) + FOUND_LATE)
 
     def _ranks(self) -> list[int]:
-        import torch.distributed as dist
-
         return dist.get_process_group_ranks(self.group)
 
     def _name_entries(self, row: torch.Tensor) -> list[str]:

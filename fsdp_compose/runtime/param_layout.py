@@ -14,6 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from ..policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, collective_dtypes
+
 
 @dataclass
 class ParamPlace:
@@ -109,3 +111,18 @@ def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor
     pairs = enumerate(zip(grad.placements, spec.placements))
     want = [have if dim in dp_dims else target for dim, (have, target) in pairs]
     return grad.redistribute(grad.device_mesh, want)._local_tensor
+
+
+def resolve_layout(
+    dtype: torch.dtype,
+    compute_device: torch.device,
+    mp_policy: MixedPrecisionPolicy,
+    offload_policy: OffloadPolicy,
+) -> ParamLayout:
+    """Where one parameter's shard lives and which dtypes its collectives use."""
+    gather_dtype, reduce_dtype = collective_dtypes(dtype, mp_policy)
+    offload = isinstance(offload_policy, CPUOffloadPolicy) and compute_device.type != "meta"
+    storage_device = torch.device("cpu") if offload else compute_device
+    # pinning needs an accelerator; on a CPU-only build the shard is already where it computes
+    pin = offload and offload_policy.pin_memory and compute_device.type != "cpu"
+    return ParamLayout(compute_device, storage_device, gather_dtype, reduce_dtype, pin)
