@@ -11,7 +11,7 @@ from torch import nn
 from .module_settings import FSDPModuleSettings
 from .runtime.hooks.call import call_sharded, sole_hooks_state
 from .runtime.hooks.not_traced import dynamo_frame_callback, frame_not_traced
-from .runtime.refresh import refresh_params
+from .runtime.refresh import follow_module
 from .runtime.state import GroupState, class_name, interface_classes, state_of, states_in
 
 
@@ -79,8 +79,7 @@ class FSDPModule(FSDPModuleSettings):
         """
         state = self._fsdp_state()
         if state.root is None:  # before the first forward: follow parameters replaced or materialized since fully_shard
-            refresh_params(state)
-            state.group.follow_local_devices()
+            follow_module(state)
         state.group.start_unshard()
         if async_op:
             return UnshardHandle(state)
@@ -99,7 +98,7 @@ class FSDPModule(FSDPModuleSettings):
             state.group.reshard()
         out = super()._apply(fn, *args, **kwargs)
         if state is not None:
-            refresh_params(state)
+            follow_module(state)
         return out
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:

@@ -174,8 +174,8 @@ def explain(
     states = [s for _, s in found]
     root_of = _roots(model, states)
     roots = set(root_of.values())
-    root_state = states[0].root
-    prefetch_limit, reduce_limit = plan.limits(root_state)
+    root = states[0].root
+    prefetch_limit, reduce_limit = plan.limits(root)
     names_by_module = plan.module_names(model)
     names = {s: plan.group_name(s, names_by_module) for s in states}
     calls, param_pos = memory.forward_calls(model, states)
@@ -203,7 +203,7 @@ def explain(
     ]
     optimizer_bytes, source = _optimizer_bytes(states, optimizer)
     totals = _totals(model, states, groups, optimizer_bytes, source, result)
-    explanation = Explanation(groups, totals, _notes(root_state))
+    explanation = Explanation(groups, totals, _notes(root))
     if sample_batch is not None:
         _measure(model, sample_batch, loss_fn, explanation)
     return explanation
@@ -227,7 +227,7 @@ def _roots(model: nn.Module, states: list[GroupState]) -> dict[GroupState, Group
         state = state_of(module)
         if state in wanted:
             above = above or state
-            root_of.setdefault(state, state.root.root_state if state.root is not None else above)
+            root_of.setdefault(state, state.root.root_module_state if state.root is not None else above)
         stack.extend((child, above) for child in reversed(list(module.children())))
     return root_of
 
@@ -292,8 +292,8 @@ def _totals(model, states, groups, optimizer_bytes, source, result) -> Totals:
     )
 
 
-def _notes(root_state) -> list[str]:
-    if root_state is None or not root_state.reference_forward_order:
+def _notes(root) -> list[str]:
+    if root is None or not root.reference_forward_order:
         return ["(before the first step: order and prefetch follow module definition order; "
                 "the first step records the real order)"]
     return []

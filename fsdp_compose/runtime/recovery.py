@@ -16,7 +16,7 @@ def reset_iteration(state: GroupState) -> None:
     if root is not None and not state.is_root:
         raise RuntimeError(
             f"reset_iter_state() must be called on the root FSDP module; {class_name(state.module)} "
-            f"({state.group.label}) is not the root, {root.root_state.group.label} is"
+            f"({state.group.label}) is not the root, {root.root_module_state.group.label} is"
         )
     for s in root.states if root is not None else [state]:
         s.group.discard_step()

@@ -10,10 +10,11 @@ that torch's FSDP2 supports:
 - **Replacement** (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``): the
   module holds a new object, a plain tensor of the full shape or a DTensor.
 
-``refresh_params`` compares each managed parameter with what the module registers and adopts
-the new shard and dtypes; the unsharded buffers are rebuilt on the next unshard. It runs at the
-root's lazy init, after ``_apply`` on an ``FSDPModule``, at an ``unshard()`` before the first
-forward and after ``load_state_dict``.
+``follow_module``, the one entry point for all of this, compares each managed parameter with
+what the module registers, adopts the new shard and dtypes, and follows the shards' device
+(deferred init materializes them); the unsharded buffers are rebuilt on the next unshard. It
+runs at the root's lazy init, after ``_apply`` on an ``FSDPModule``, at an ``unshard()`` before
+the first forward and after ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from .params import ShardedParam
 from .state import GroupState, class_name, register_owner
 
 
-def refresh_params(state: GroupState) -> None:
-    """Adopt replaced parameters and new dtypes of ``state``'s group; a no-op when nothing changed.
+def follow_module(state: GroupState) -> None:
+    """Adopt replaced parameters and new dtypes of ``state``'s group, and follow its shards' device.
 
     While the group is unsharded its modules hold the unsharded parameters, so there is nothing
     to compare; callers that convert the module reshard first.
@@ -39,6 +40,12 @@ def refresh_params(state: GroupState) -> None:
     group = state.group
     if group.is_unsharded or group.pending_unshard is not None:
         return
+    _adopt_changes(state)
+    group.follow_local_devices()
+
+
+def _adopt_changes(state: GroupState) -> None:
+    group = state.group
     changed = False
     for p in group.params:
         held = _registered(state, p)

@@ -16,7 +16,7 @@ from .state import GroupState, RootState
 
 
 def record_pre_forward(root: RootState, state: GroupState) -> None:
-    if state is root.root_state and root.backward_in_step:
+    if state is root.root_module_state and root.backward_in_step:
         end_step(root)
     if state not in root.forward_seen:
         root.forward_seen.add(state)

@@ -48,7 +48,7 @@ class GroupState:
 
     @property
     def is_root(self) -> bool:
-        return self.root is not None and self.root.root_state is self
+        return self.root is not None and self.root.root_module_state is self
 
     def reshards_after_forward(self, is_root: bool | None = None) -> bool:
         """Whether forward frees the parameters: not at the root unless the user asked for it.
@@ -70,7 +70,7 @@ class GroupState:
 class RootState:
     """Shared by every group under one root: the groups in tree order, backward bookkeeping."""
 
-    root_state: GroupState
+    root_module_state: GroupState  # the root module's own state (each GroupState.root points back here)
     states: list[GroupState]
     in_backward: bool = False
     prefetch_limit: int = 1  # all-gathers in flight ahead of the running group

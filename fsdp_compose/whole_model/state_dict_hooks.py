@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from ..runtime.params import ShardedParam
-from ..runtime.refresh import refresh_params
+from ..runtime.refresh import follow_module
 from ..runtime.state import GroupState
 from .model_groups import check_idle
 
@@ -85,4 +85,4 @@ def register_state_dict_hooks(state: GroupState, module: nn.Module) -> None:
     module.register_state_dict_post_hook(partial(_on_state_dict, keys))
     module.register_load_state_dict_pre_hook(partial(_on_load_state_dict, state, keys))
     # load_state_dict(assign=True) registers the loaded shards in place of ours: adopt them
-    module.register_load_state_dict_post_hook(lambda _module, _keys: refresh_params(state))
+    module.register_load_state_dict_post_hook(lambda _module, _keys: follow_module(state))

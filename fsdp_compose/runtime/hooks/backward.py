@@ -132,7 +132,7 @@ def _bound_reductions(state: GroupState) -> None:
 def flush_reduces(root: RootState) -> None:
     """Issue the reduce-scatters waiting for a handshake (on gloo they wait for the next one on their group)."""
     if root.ledgers.waiting:
-        root.root_state.group.handshakes.flush(root.root_state.group.describe)
+        root.root_module_state.group.handshakes.flush(root.root_module_state.group.describe)
 
 
 def end_of_backward(root: RootState) -> None:
@@ -144,7 +144,7 @@ def end_of_backward(root: RootState) -> None:
         elif state.group.is_unsharded and state.reshard_after_backward:
             state.group.reshard()
     flush_reduces(root)
-    if root.root_state.is_last_backward:
+    if root.root_module_state.is_last_backward:
         for state in root.states:
             if state.group.pending_reduces:  # most groups' reductions finished long ago
                 state.group.wait_reduces()

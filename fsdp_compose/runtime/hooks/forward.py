@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..output_tensors import is_tensor_leaf, output_tensors
-from ..refresh import refresh_params
+from ..refresh import follow_module
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
 from ..state import GroupState, RootState, class_name, states_in
 from .backward import pre_backward, signal_post_backward, unshard_with_prefetch
@@ -24,7 +24,7 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
     """
     found = states_in(module)
     for _, s in found:  # parameters converted or replaced since fully_shard
-        refresh_params(s)
+        follow_module(s)
     param_names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
     for name, s in found:
         for p in s.group.params:
@@ -35,9 +35,8 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
                     "is still on the meta device at the first forward; materialize it first: "
                     "model.to_empty(device=...) then fsdp_compose.init_sharded_parameters(model)"
                 )
-    root = RootState(root_state=state, states=[s for _, s in found])
+    root = RootState(root_module_state=state, states=[s for _, s in found])
     for name, s in found:
-        s.group.follow_local_devices()
         s.group.handshakes.use_ledgers(root.ledgers)
         s.root = root
         s.group.label = f"'{name or '<root>'}' ({class_name(s.module)})"
