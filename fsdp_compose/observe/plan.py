@@ -75,13 +75,9 @@ def sizes_of(state: GroupState) -> GroupSizes:
         ranks = group.post_forward.ranks
         kept = sum(size * world // ranks for size in group.layout.sizes)
         kept_gathered = ranks * kept
-    trainable = group.trainable if state.requires_gradient_sync else []
-    by_dtype: dict[torch.dtype, list] = {}
-    for p in trainable:
-        by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
     tables, outputs, copies, row_copies = [], [], [], []
-    for dtype, params in by_dtype.items():
-        row = (sum(p.padded_numel for p in params) + len(params)) * itemsize(dtype)
+    for reduction in group.reduce_plan() if state.requires_gradient_sync else []:  # the runtime's own plan
+        dtype, params, row = reduction.dtype, reduction.params, reduction.row_bytes
         tables.append(world * row)
         row_copies.append(
             sum(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -46,6 +47,25 @@ class PostForwardShard:
         return torch.cat([t.view(self.ranks, -1)[self.index] for t in targets])
 
 
+@dataclass(frozen=True)
+class Reduction:
+    """One reduce-scatter of a group: its dtype's parameters and what one rank sends.
+
+    A rank's row is every parameter's padded rows plus one has-gradient flag per parameter.
+    ``top``: where no parameter's rows reach every rank, the ranks they reach (the table's later
+    rows are padding and flags only, see ``collectives.reduce_scatter_rows``); else None."""
+
+    dtype: torch.dtype
+    params: tuple[ShardedParam, ...]
+    row_bytes: int
+    top: int | None
+
+    @staticmethod
+    def of(dtype: torch.dtype, params: list[ShardedParam], world: int) -> Reduction:
+        row_bytes = (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize
+        return Reduction(dtype, tuple(params), row_bytes, _short_of(max(p.data_ranks for p in params), world))
+
+
 class ParamGroup:
     """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
 
@@ -56,8 +76,7 @@ class ParamGroup:
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device, gloo_handshake_kinds())
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
-        # built by the first reduce: (dtype, params, bytes one rank sends, ranks their rows reach if not all)
-        self._reduce_plan: list[tuple[torch.dtype, list[ShardedParam], int, int | None]] | None = None
+        self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
         self.mesh = mesh
         self.device = device
         self._all_present: dict = {}  # reduce dtype -> its cached flag rows (and tail)
@@ -238,26 +257,13 @@ class ParamGroup:
         folded into the next all-reduced reduction (gradient accumulation across replicas).
         ``then`` runs once the last of them is issued, which on gloo may be at the next handshake.
         """
-        plan = self._reduce_plan
-        if plan is None:  # per reduce dtype: its parameters and the bytes one rank sends
-            by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
-            for p in self.trainable:
-                by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
-            plan = self._reduce_plan = [
-                (
-                    dtype,
-                    params,
-                    (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize,
-                    # where no parameter's rows reach every rank: the ranks they reach
-                    _short_of(max(p.data_ranks for p in params), self.world_size),
-                )
-                for dtype, params in by_dtype.items()
-            ]
+        plan = self.reduce_plan()
         comm = self.comm
         group = comm.reduce_process_group or self.process_group
         factor = comm.gradient_divide_factor or self.dp_size
         with grad_off():
-            for dtype, params, nbytes, top in plan:
+            for reduction in plan:
+                dtype, params, nbytes, top = reduction.dtype, reduction.params, reduction.row_bytes, reduction.top
                 rows, present = [], []
                 for p in params:
                     grad = p.unsharded_grad()
@@ -276,9 +282,18 @@ class ParamGroup:
                 accumulate_all = all_present or not self._reads_flags(group)
                 finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
                 issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, tail, finish)
-                if then is not None and dtype is plan[-1][0]:  # the group's last reduction: ``then`` follows it
+                if then is not None and reduction is plan[-1]:  # the group's last reduction: ``then`` follows it
                     issue = partial(_in_turn, issue, then)
                 self.handshakes.submit(REDUCE_SCATTER, nbytes, group, self.describe, issue)
+
+    def reduce_plan(self) -> list[Reduction]:
+        """The group's reduce-scatters: one per reduce dtype of its trainable parameters."""
+        if self._reduce_plan is None:
+            by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
+            for p in self.trainable:
+                by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
+            self._reduce_plan = [Reduction.of(dtype, params, self.world_size) for dtype, params in by_dtype.items()]
+        return self._reduce_plan
 
     def _issue_reduce_scatter(
         self, rows: list[torch.Tensor], group, pre_divide: float, tail: torch.Tensor | None, finish: Callable
