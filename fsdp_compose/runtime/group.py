@@ -21,30 +21,12 @@ from .collectives import (
 )
 from .comm_options import CommOptions
 from .divergence import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from .grad_off import grad_off
 from .handshake import Handshakes, gloo_handshake_kinds, handshake_kinds
-from .labels import labelled
 from .params import ShardedParam
+from .post_forward_shard import PostForwardShard
+from .scopes import grad_off, labelled
 from .shm_transport import GatheredRows
 from .uids import new_uid
-
-
-class PostForwardShard:
-    """What ``reshard_after_forward=<int>`` keeps: an N-way slice of every gathered parameter.
-
-    The padded ``(world, padded)`` layout splits into N contiguous row blocks, one per member
-    of this rank's N-rank group (consecutive ranks, e.g. one node), so the backward all-gather
-    runs within that group and copy-out reuses the same column split.
-    """
-
-    def __init__(self, group: ParamGroup, ranks: int, process_group) -> None:
-        self.ranks = ranks
-        self.process_group = process_group
-        self.index = group.mesh.get_local_rank(group.mesh.ndim - 1) % ranks
-        self.layout = GatherLayout([size * group.world_size // ranks for size in group.layout.sizes], ranks)
-
-    def keep(self, targets: list[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([t.view(self.ranks, -1)[self.index] for t in targets])
 
 
 @dataclass(frozen=True)
