@@ -6,7 +6,9 @@ chooses its all-gather inputs: any number of tensors of any dtypes (float8 data 
 packed 4-bit data and its scalers) plus metadata. They travel as bytes inside the group's one
 all-gather, into output tensors kept across steps; ``fsdp_post_all_gather`` builds the unsharded
 parameter from them on the first unshard and refreshes it in place (``out=``) on later ones.
-Resharding frees the outputs' storage and that of the tensors post-all-gather said to free.
+Resharding frees the outputs' storage and that of the tensors post-all-gather said to free. A codec
+(``quantized_gather.py``), whose parameter does not alias the outputs, frees its 1-byte values
+right after post-all-gather instead (see ``_release_after_post``).
 Gradients stay plain tensors: they are reduced like any other parameter's.
 """
 
@@ -74,12 +76,15 @@ class GatherExtension:
         self.metadata: Any = None
         self.outputs: list[torch.Tensor] = []  # flat (world * numel) per input, storage freed when sharded
         self.freed: list[tuple[torch.UntypedStorage, int]] = []  # other storages post-all-gather returned
+        # a codec's dequantized weight while its 1-byte values are freed: ``targets`` rebuilds them from it
+        self._rebuild_from: torch.Tensor | None = None
         self._pads: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def pieces(self, local: torch.Tensor, rows_per_rank: int, local_rows: int, device: torch.device) -> list:
         """Call pre-all-gather; return this rank's byte pieces (inputs laid out like the shard's rows
         but short of the padded row count are padded with zero rows, so uneven shards need no
         self-padding subclass)."""
+        self._rebuild_from = None  # a new gather: its copy-out fills the outputs
         if local.device != device:  # CPU offload: the shard goes to the compute device first
             local = local.to(device, non_blocking=True)
         pre = getattr(local, PRE) if self.codec is None else partial(self.codec.pre, local)
@@ -132,20 +137,33 @@ class GatherExtension:
             if storage.nbytes() != world * width:
                 storage.resize_(world * width)
             views.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (world, width), (width, 1)))
-        for storage, nbytes in self.freed:
-            if storage.nbytes() != nbytes:
-                storage.resize_(nbytes)
+        if self._rebuild_from is not None:  # read while unsharded: a post-forward slice is cut from them
+            data, scales = self.outputs
+            with torch.no_grad():
+                self.codec.requantize_into(data, scales, self._rebuild_from, self.metadata)
         return views
 
-    def post(self, unsharded: nn.Parameter | None, param_dtype: torch.dtype) -> torch.Tensor | None:
-        """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place."""
+    def post(
+        self, unsharded: nn.Parameter | None, param_dtype: torch.dtype, *, slice_follows: bool = True
+    ) -> torch.Tensor | None:
+        """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place.
+
+        ``slice_follows=False``: no ``reshard_after_forward=<int>`` slice will be cut from the outputs
+        before the next gather, so a codec frees them all (see ``_release_after_post``)."""
         outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
         post = getattr(self.source, POST) if self.codec is None else self.codec.post
         # kept until the next pre-all-gather: after a forward with reshard_after_forward=<int> the
         # backward re-gathers the same inputs within fewer ranks, and post-all-gather needs it again
         metadata = self.metadata
         if unsharded is not None:
+            # storage for what post-all-gather refreshes, given here rather than with the outputs: a
+            # group's parameters are posted one at a time, so one's outputs are freed (see
+            # _release_after_post) before the next one's tensors take their room
+            for storage, nbytes in self.freed:
+                if storage.nbytes() != nbytes:
+                    storage.resize_(nbytes)
             post(outputs, metadata, param_dtype, out=unsharded)
+            self._release_after_post(unsharded, param_dtype, slice_follows)
             return None
         result = post(outputs, metadata, param_dtype)
         if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
@@ -160,9 +178,26 @@ class GatherExtension:
                 continue
             known.add(_storage_id(t))
             self.freed.append((t.untyped_storage(), t.untyped_storage().nbytes()))
+        self._release_after_post(tensor, param_dtype, slice_follows)
         return tensor
 
+    def _release_after_post(self, weight: torch.Tensor, param_dtype: torch.dtype, slice_follows: bool) -> None:
+        """Free a codec's gathered bytes once dequantized into ``weight``: nothing else reads them,
+        and kept until reshard they sat beside the weight (the root's for the whole step; a block's
+        through its backward, at the activation peak). Where a ``reshard_after_forward=<int>``
+        slice may be cut from them after forward, the scales (1/32 of the 1-byte values at
+        ``block_size=128``) stay and ``targets`` gets the values back from ``weight``."""
+        if self.codec is None:
+            return
+        if not slice_follows:
+            for out in self.outputs:
+                out.untyped_storage().resize_(0)
+        elif self.codec.rebuilds(param_dtype):
+            self.outputs[0].untyped_storage().resize_(0)
+            self._rebuild_from = weight
+
     def free(self) -> None:
+        self._rebuild_from = None
         for out in self.outputs:
             out.untyped_storage().resize_(0)
         for storage, _ in self.freed:

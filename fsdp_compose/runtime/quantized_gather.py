@@ -6,11 +6,17 @@ elements, and sends every block as 1-byte values scaled by the block's absolute 
 fp32 scale per block). After the gather every rank dequantizes all blocks into the compute
 dtype. The shard itself (the master weight the optimizer steps, what state dicts hold) is never
 quantized; only what travels is. Gradients are unchanged: straight through.
+
+The gathered 1-byte values are read once, by the dequantize; ``GatherExtension`` then frees them
+(``rebuilds``): kept beside the dequantized weight until reshard, they put the quantized step's
+peak above the unquantized one's. Where a ``reshard_after_forward=<int>`` slice is cut from them
+later, ``requantize_into`` gets the same bytes back from the dequantized weight.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -55,28 +61,64 @@ class BlockQuantized:
                 self._dequantize_into(out, data, scales, shape)
             return None
         ranks = scales.numel() // math.ceil(shape.numel() / self.block_size)
-        full = (data.view(scales.numel(), self.block_size).float() * scales.unsqueeze(1)).view(ranks, -1)
-        full = full[:, : shape.numel()].reshape(ranks * shape[0], *shape[1:]).to(param_dtype)
+        full = torch.empty((ranks * shape[0], *shape[1:]), dtype=param_dtype, device=data.device)
+        self._dequantize_into(full, data, scales, shape)
         return full, (full,)
 
+    def rebuilds(self, param_dtype: torch.dtype) -> bool:
+        """Whether ``requantize_into`` gets the wire bytes back exactly from a weight dequantized into
+        ``param_dtype``: yes where it keeps fp32's exponent range (bf16, fp32, fp64), so a dequantized
+        value is never subnormal and its rounding (at most 2**-9 relative, bf16's) stays far inside
+        half a quantization step (1/254 of the block's largest value for int8, 2**-4 relative for
+        float8's 3-bit mantissa). fp16 may flush small weights: there the bytes are kept instead."""
+        return param_dtype in (torch.bfloat16, torch.float32, torch.float64)
+
+    def requantize_into(
+        self, data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, shape: torch.Size
+    ) -> None:
+        """Write into ``data`` the 1-byte values every rank sent, from ``weight`` they were dequantized
+        into and the gathered ``scales`` (``shape``: one rank's padded shard); padding is zeros, as
+        sent. A few blocks at a time, like the dequantize."""
+        flat = weight.detach().reshape(-1)
+        data.zero_()
+        buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=data.device)
+        for at, first, n, block, blocks in self._chunks(flat.numel(), shape, scales.numel()):
+            values = buffer[: blocks * self.block_size]
+            values[:n].copy_(flat[at : at + n])
+            scaled = values.view(blocks, self.block_size).div_(scales[block : block + blocks].unsqueeze(1))
+            if self.dtype == torch.int8:
+                scaled.round_()
+            data[first : first + n].copy_(values[:n])
+
     def _dequantize_into(self, out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, shape: torch.Size) -> None:
-        """Dequantize into ``out`` a few blocks at a time: the fp32 products never exist for the
-        whole weight at once (8 bytes per element of transients otherwise, at the peak of the
-        backward's re-gather); the values are the same, rounded once from fp32 by ``copy_``."""
-        per_rank, blocks_per_rank = shape.numel(), math.ceil(shape.numel() / self.block_size)
-        chunk = max(1, _CHUNK_ELEMENTS // self.block_size) * self.block_size
+        """Dequantize into ``out`` a few blocks at a time through one fp32 buffer: the fp32 products
+        never exist for the whole weight at once (8 bytes per element of transients otherwise, at
+        the peak of the backward's re-gather); the values are the same, rounded once from fp32 by
+        ``copy_``."""
         flat = out.view(-1)
-        for rank in range(scales.numel() // blocks_per_rank):
+        buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=out.device)
+        for at, first, n, block, blocks in self._chunks(flat.numel(), shape, scales.numel()):
+            values = buffer[: blocks * self.block_size].view(blocks, self.block_size)
+            wire = data[first : first + blocks * self.block_size].view(blocks, self.block_size)
+            values.copy_(wire).mul_(scales[block : block + blocks].unsqueeze(1))
+            flat[at : at + n].copy_(values.view(-1)[:n])
+
+    def _chunk_elements(self) -> int:
+        return max(1, _CHUNK_ELEMENTS // self.block_size) * self.block_size
+
+    def _chunks(self, numel: int, shape: torch.Size, total_blocks: int) -> Iterator[tuple[int, int, int, int, int]]:
+        """Walk a weight of ``numel`` elements (every rank's padded shard of ``shape`` in turn; the
+        last ranks' rows may be cut off) a chunk at a time: (where in the weight, where in the wire
+        data, elements, first block, blocks)."""
+        per_rank, blocks_per_rank = shape.numel(), math.ceil(shape.numel() / self.block_size)
+        chunk = self._chunk_elements()
+        for rank in range(total_blocks // blocks_per_rank):
             start = rank * per_rank
-            rows = flat[start : min(start + per_rank, flat.numel())]  # the last ranks' rows may be padding
+            rows = max(0, min(per_rank, numel - start))
             first = rank * blocks_per_rank * self.block_size
-            for i in range(0, rows.numel(), chunk):
-                n = min(chunk, rows.numel() - i)
-                blocks = math.ceil(n / self.block_size)
-                values = data[first + i : first + i + blocks * self.block_size].view(blocks, self.block_size).float()
-                block = (first + i) // self.block_size
-                values.mul_(scales[block : block + blocks].unsqueeze(1))
-                rows[i : i + n].copy_(values.view(-1)[:n])
+            for i in range(0, rows, chunk):
+                n = min(chunk, rows - i)
+                yield start + i, first + i, n, (first + i) // self.block_size, math.ceil(n / self.block_size)
 
 
 def wire_format_of(param: torch.Tensor) -> BlockQuantized | None:
