@@ -286,6 +286,5 @@ def test_peak_live_bytes_not_above_unquantized():
     benchmarks/bench_step.py's GPT). They are freed once dequantized; only the scales stay, for a
     reshard_after_forward=<int> slice the group cannot yet say it will not cut."""
     peaks = run_on_ranks(2, _peaks)
-    scales = 2 * (2048 * 64 // 128) * 4  # the root's two weights: one fp32 scale per 128 values
     for peak in peaks:
-        assert peak[True] <= peak[False] + scales, (peak, scales)  # was 264 KiB above: int8 256 + scales 8
+        assert peak[True] <= peak[False], peak  # was 264 KiB above: int8 256 + scales 8 (freed after dequantizing)

@@ -185,8 +185,9 @@ class ParamGroup:
                 else:
                     targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
+                slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
                 for p in self.params:
-                    p.finish_copy_out()
+                    p.finish_copy_out(slice_follows)
                     p.use(unsharded=True)
         self.is_unsharded = True
 

@@ -267,13 +267,14 @@ class ShardedParam:
         """Inverse of ``to_comm``: a view laid out like the parameter again."""
         return tensor
 
-    def finish_copy_out(self) -> None:
+    def finish_copy_out(self, slice_follows: bool = True) -> None:
         """Called after the group's copy-out; the gather target already is the parameter here,
-        unless the extension protocol builds the parameter from what was gathered."""
+        unless the extension protocol builds the parameter from what was gathered (``slice_follows``:
+        a ``reshard_after_forward=<int>`` slice will be cut from what was gathered)."""
         extension = self.extension
         if extension is None:
             return
-        built = extension.post(self.unsharded_param, self.layout.gather_dtype)
+        built = extension.post(self.unsharded_param, self.layout.gather_dtype, slice_follows=slice_follows)
         if built is not None:
             shape = self.unsharded_shape
             tensor = torch.as_strided(built, shape, contiguous_strides(shape), 0)

@@ -79,7 +79,7 @@ class DimShardedParam(ShardedParam):
         flat = self._gather_target.view(self.layout.gather_dtype).reshape(-1)
         return flat[: self.comm_shape.numel()].view(self.comm_shape)
 
-    def finish_copy_out(self) -> None:
+    def finish_copy_out(self, slice_follows: bool = True) -> None:
         self._unsharded_data.copy_(self.from_comm(self._staged()))
         self._gather_target.untyped_storage().resize_(0)  # staging is only needed during copy-out
 
