@@ -66,6 +66,15 @@ def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _unsharded_row_bytes(p) -> int:
+    """One rank's share of the unsharded parameter: what it gathers, except for a quantized wire
+    format, which is dequantized into the compute dtype (the wire bytes are freed once it is)."""
+    quantized = p.extension.codec is not None if p.extension is not None else p.wire is not None
+    if quantized:
+        return p.padded_numel * p.gather_element_size
+    return p.gather_nbytes()
+
+
 def sizes_of(state: GroupState) -> GroupSizes:
     group = state.group
     world = group.world_size
@@ -92,7 +101,7 @@ def sizes_of(state: GroupState) -> GroupSizes:
     return GroupSizes(
         send=send if group.params else 0,
         gathered=world * send if group.params else 0,
-        unsharded=sum(world * p.gather_nbytes() for p in group.params),
+        unsharded=sum(world * _unsharded_row_bytes(p) for p in group.params),
         kept=kept,
         kept_gathered=kept_gathered,
         row_copies=row_copies,

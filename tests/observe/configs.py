@@ -95,6 +95,11 @@ def build_gpt(config: str) -> tuple[nn.Module, callable]:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif config == "gpt_offload":  # on a CPU-only build shards already live on the CPU
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    elif config == "gpt_quantized":  # int8 weight all-gather, dequantized into bf16
+        from fsdp_compose import quantize_all_gather
+
+        quantize_all_gather(model, torch.int8)
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     elif config == "gpt_hsdp":
         ws = dist.get_world_size()
         kwargs["mesh"] = init_device_mesh("cpu", (2, ws // 2), mesh_dim_names=("replicate", "shard"))
