@@ -2,9 +2,10 @@
 
     python benchmarks/bench_order_check.py [--steps 8]
 
-Builds bench_step.py's GPT twice from the same seed, one with FSDP_COMPOSE_CHECK_ORDER=0 (no check)
-and one with the default handshake (on gloo: every all-gather and reduce-scatter agreed on), and
-alternates their steps so machine load hits both alike; prints the median step time of each and their ratio.
+Builds bench_step.py's GPT three times from the same seed: FSDP_COMPOSE_CHECK_ORDER=0 (no check), the
+handshake before all-gathers only (gloo's default before issue 24), and the default (on gloo every
+all-gather and reduce-scatter agreed on); alternates their steps so machine load hits all alike and
+prints the median step time of each and their ratios.
 """
 
 from __future__ import annotations
@@ -36,22 +37,33 @@ def _states(model):
 
 
 def build(mode: str):
-    os.environ["FSDP_COMPOSE_CHECK_ORDER"] = mode
-    torch.manual_seed(0)
-    model = GPT(CONFIG)
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+    """``mode``: a FSDP_COMPOSE_CHECK_ORDER value, or "all-gathers" (the default before issue 24 on gloo:
+    handshakes before all-gathers only, so divergence in backward could still reach gloo's abort)."""
+    from fsdp_compose.runtime import group, handshake
+
+    os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if mode == "all-gathers" else mode
+    gloo_kinds = group.gloo_handshake_kinds
+    if mode == "all-gathers":  # read when fully_shard builds each group
+        group.gloo_handshake_kinds = lambda: frozenset((handshake.ALL_GATHER,))
+    try:
+        torch.manual_seed(0)
+        model = GPT(CONFIG)
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+    finally:
+        group.gloo_handshake_kinds = gloo_kinds
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
 def rank_main(rank: int, world_size: int, port: int, args) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    runs = {mode: build(mode) for mode in ("0", "1")}
+    modes = ("0", "all-gathers", "1")
+    runs = {mode: build(mode) for mode in modes}
     times: dict[str, list[float]] = {mode: [] for mode in runs}
     for step in range(args.steps + 1):
-        for mode in (("0", "1") if step % 2 else ("1", "0")):
+        for mode in modes if step % 2 else modes[::-1]:
             model, optimizer = runs[mode]
             batch = synthetic_batch(CONFIG, args.batch_size, step, rank)
             dist.barrier()
@@ -74,9 +86,12 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     if rank == 0:
         print(f"one handshake: {latency * 1e6:.0f} us; {gathers:.0f} all-gathers per step -> "
               f"{latency * gathers * 1e3:.2f} ms per step added by the default mode")
-        off, default = (statistics.median(times[m]) for m in ("0", "1"))
-        print(f"median step: checks off {off:.4f}s  default {default:.4f}s ({default / off:.4f}x), "
+        off, gathers, default = (statistics.median(times[m]) for m in modes)
+        print(f"median step: checks off {off:.4f}s  all-gathers only {gathers:.4f}s ({gathers / off:.4f}x)  "
+              f"default {default:.4f}s ({default / off:.4f}x; {default / gathers:.4f}x all-gathers only), "
               f"{args.steps} interleaved steps each")
+        pairs = [d / g for d, g in zip(times["1"], times["all-gathers"])]
+        print(f"default / all-gathers only, median of per-step ratios: {statistics.median(pairs):.4f}")
     dist.destroy_process_group()
 
 
