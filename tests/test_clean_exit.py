@@ -42,7 +42,7 @@ def _run(launcher: str) -> tuple[int, str]:
         cmd = _torchrun(SCRIPT)
     elif launcher == "hf trainer":
         cmd = _torchrun(HF_SCRIPT)
-    elif launcher == "spawn, shm":  # the shared-memory transport (runtime/shm_transport.py) on
+    elif launcher == "spawn, shm":  # the shared-memory transport (transports/shm.py) on
         cmd = [sys.executable, str(SHM_SCRIPT)]
     else:
         cmd = [sys.executable, str(SCRIPT)]
@@ -53,7 +53,7 @@ def _run(launcher: str) -> tuple[int, str]:
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun", "spawn, shm"])
 def test_script_exits_zero_every_time(launcher):
     """``spawn, shm``: a quarter of the runs, with ``FSDP_COMPOSE_TRANSPORT=shm``. Without
-    ``shm_transport._let_gloo_threads_finish`` this script aborted at exit in 1 of 12 sequential
+    ``transports/shm._let_gloo_threads_finish`` this script aborted at exit in 1 of 12 sequential
     runs (and 0 of 14 two at a time), so it guards the transport's exit path in general more
     than it reproduces that abort; docs/cpu-transport.md gives the runs that did."""
     runs = RUNS // 4 if launcher == "spawn, shm" else RUNS
