@@ -1,48 +1,19 @@
-"""Opt-in shared-memory transport for CPU all-gathers and reduce-scatters between ranks on one host.
+"""Opt-in shared-memory transport: CPU all-gathers and reduce-scatters between ranks on one host.
 
-gloo moves CPU tensors through TCP loopback: an all-gather producing 32 MiB costs tens of
-milliseconds of CPU, where copying 32 MiB costs a few. ``ShmAllGather`` and ``ShmReduceScatter``
-are objects of the ``AllGather`` / ``ReduceScatter`` protocol (``fsdp_compose/comm.py``);
-``fully_shard`` gives them to the groups it shards while ``FSDP_COMPOSE_TRANSPORT=shm`` is set
-(every rank must set it alike). On a process group of several ranks whose tensors live on the
-CPU and whose ranks share one host they exchange the data through files under ``/dev/shm``;
-elsewhere they call the process group like the default objects:
+gloo moves CPU tensors through TCP loopback, tens of milliseconds of CPU for 32 MiB where a copy
+costs a few. ``ShmAllGather`` / ``ShmReduceScatter`` are ``Comm``-protocol objects that
+``fully_shard`` gives its groups while ``FSDP_COMPOSE_TRANSPORT=shm`` is set (alike on every
+rank); where a process group's ranks share one host and its tensors are on the CPU they move the
+bytes through files under ``/dev/shm``, elsewhere they call the process group. docs/cpu-transport.md
+describes set-up, segments, chunks, growth, a full ``/dev/shm`` and the errors.
 
-- each rank owns one segment, a file mapped with ``torch.from_file(..., shared=True)``, split in
-  two equal halves; collective number ``n`` on the group uses half ``n % 2`` on every rank;
-- a rank copies its contribution (its all-gather row, or its whole reduce-scatter table) into
-  its own half, then a *sync* (a tiny gloo all-gather of ``[magic, kind, bytes, generation,
-  half size]`` per rank, issued on the process group object itself like the handshake, so it
-  is not counted as a data collective) proves every rank has written; then each rank reads
-  what it needs straight from the peers' halves into the output (all rows; or row ``r`` of every
-  table, summed in rank order 0..ws-1, the same on every rank; at ws 2 ``a + b`` is bitwise
-  gloo's sum).
-
-Reuse rule: a rank writes half ``h`` again only in collective ``n + 2``, after the sync of
-collective ``n + 1`` completed. That sync completes only once every peer has entered it, and a
-peer enters it only after it finished reading collective ``n`` (the shm collective is
-synchronous: it returns a completed work object). So no region is overwritten while a peer may
-still read it, with one sync per collective.
-
-A contribution larger than the half makes a new segment (next *generation*, half = that
-contribution), up to ``FSDP_COMPOSE_SHM_CHUNK_BYTES`` (default 8 MiB, rank 0's value): a larger
-contribution is exchanged in chunks of that size, one sync each (an all-gather row from this
-rank's row of the output; a reduce-scatter table block by block). So a rank holds at most 2x
-min(chunk, its largest contribution). Peers learn the new generation from the sync payload and
-map it at once; an extra sync then tells the owner that everyone mapped it, and the owner
-unlinks the file: outside a growing collective no file of ours exists in ``/dev/shm`` (the
-mappings live on until dropped). Files are also unlinked at
-exit, and every file of the job (one random prefix per process group, agreed at set-up) when a
-sync fails (a peer died) or ranks disagree.
-
-Set-up, at a group's first shm collective, exchanges a hash of the hostname and the boot id:
-if the ranks are not all on one host (or ``/dev/shm`` is missing), the group keeps using gloo,
-with a one-time warning. A segment's pages are reserved when it is made (``posix_fallocate``), so a
-full ``/dev/shm`` (docker's default is 64 MiB) is a failed reservation, not a SIGBUS at a later
-write; the rank says so in the sync, and every rank runs that collective, and the group's later
-ones, over gloo, with a warning. Ranks that contribute different sizes or kinds get the same
-``ExecutionOrderError`` on every rank, naming each rank's collective and size, in the
-handshake's words (the handshake, on by default, usually catches them first).
+Each rank owns one segment in two halves; collective ``n`` on a group uses half ``n % 2``. A rank
+copies its contribution into its half, then a *sync* (a tiny gloo all-gather of ``[magic, kind,
+bytes, generation, half size]`` per rank) proves every rank wrote and agrees; then each rank
+reads the peers' halves. Reuse rule: a rank writes half ``h`` again only in collective ``n + 2``,
+after the sync of collective ``n + 1`` completed, which needs every peer to have entered it,
+i.e. finished reading collective ``n`` (the collective is synchronous). So one sync per
+collective is enough.
 """
 
 from __future__ import annotations
@@ -61,14 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime.c10d_direct import (
-    ASYNC_ALL_GATHER,
-    COMPLETED,
-    DIRECT_ALL_GATHER,
-    DIRECT_REDUCE_SCATTER,
-    DirectAllGather,
-    DirectReduceScatter,
-)
+from ..runtime import c10d_direct as direct
 from ..runtime.clean_tls import python_free_tls
 from ..runtime.handshake import ALL_GATHER, KINDS, REDUCE_SCATTER, diverged_message, wait_named
 from ..runtime.order_check import MAGIC, ExecutionOrderError
@@ -114,14 +78,14 @@ def segment_bytes() -> int:
     return sum(t.own.tensor.numel() for t in list(_transports.values()) if t is not None and t.own is not None)
 
 
+@dataclass
 class _Segment:
     """One mapped file: two halves of ``half`` bytes."""
 
-    def __init__(self, path: str, generation: int, half: int, tensor: torch.Tensor) -> None:
-        self.path = path
-        self.generation = generation
-        self.half = half
-        self.tensor = tensor
+    path: str
+    generation: int
+    half: int
+    tensor: torch.Tensor
 
     def region(self, index: int, nbytes: int) -> torch.Tensor:
         start = index * self.half
@@ -149,10 +113,8 @@ class ShmTransport:
 
     @property
     def group(self):
-        """The process group. Held weakly: ``_transports`` is keyed weakly by the group, and a
-        value that referred to its key would keep the group alive past
-        ``destroy_process_group`` until interpreter teardown, where gloo's threads are torn
-        down out of order (``terminate called without an active exception``, SIGABRT at exit)."""
+        """The process group, held weakly: ``_transports`` is keyed weakly by it, and a strong
+        reference kept it alive past ``destroy_process_group`` into interpreter teardown (SIGABRT)."""
         return self._group()
 
     # ----- segments ---------------------------------------------------------------------------
@@ -230,7 +192,7 @@ class ShmTransport:
         counters.syncs += 1
         try:
             with python_free_tls():
-                work = self.group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
+                work = self.group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
             if work is not None:
                 wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
@@ -263,32 +225,21 @@ class ShmTransport:
 
     # ----- collectives ------------------------------------------------------------------------
     def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
-        """Copy ``input`` into this rank's half, sync, copy every rank's row into ``output``; a
-        row larger than a chunk goes chunk by chunk from this rank's row of ``output``."""
-        nbytes = input.numel() * input.element_size()
-        if nbytes <= self.chunk:
-            region = self._own_region(nbytes)
-            if region is not None:
-                region.view(input.dtype).copy_(input.view(-1))
-            if self._sync(ALL_GATHER, nbytes, region is not None):
-                index = self.calls % 2
-                self.calls += 1
-                counters.all_gathers += 1
-                torch.cat([p.region(index, nbytes).view(input.dtype) for p in self.peers], out=output)
-                return _completed(async_op)
-            return DIRECT_ALL_GATHER(output, input, self.group, async_op)  # a rank had no room: over gloo
+        """Copy this rank's row of ``output`` into its half, sync, copy the peers' rows into
+        ``output``; a row larger than a chunk goes chunk by chunk, one sync each."""
         rows = output.view(self.world, -1)
         mine = rows[self.rank]
-        if input.data_ptr() != mine.data_ptr():
+        if input.data_ptr() != mine.data_ptr():  # the runtime concatenates several pieces into it
             mine.copy_(input.view(-1))
         by_byte = rows.view(torch.uint8)
+        nbytes = by_byte.shape[1]
         for start in range(0, nbytes, self.chunk):
             size = min(self.chunk, nbytes - start)
             region = self._own_region(size)  # grows at the first chunk only: later ones fit
             if region is not None:
                 region.copy_(by_byte[self.rank, start : start + size])
-            if not self._sync(ALL_GATHER, nbytes, region is not None):  # only at the first chunk
-                return DIRECT_ALL_GATHER(output, mine, self.group, async_op)
+            if not self._sync(ALL_GATHER, nbytes, region is not None):  # a rank had no room: over gloo
+                return direct.DIRECT_ALL_GATHER(output, mine, self.group, async_op)
             for rank, peer in enumerate(self.peers):
                 if rank != self.rank:
                     by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
@@ -310,7 +261,7 @@ class ShmTransport:
             if region is not None:
                 region.view(dtype).view(self.world, end - start).copy_(table[:, start:end])
             if not self._sync(REDUCE_SCATTER, nbytes, region is not None):  # only at the first block
-                return DIRECT_REDUCE_SCATTER(output, input, self.group, async_op=async_op)
+                return direct.DIRECT_REDUCE_SCATTER(output, input, self.group, async_op=async_op)
             index = self.calls % 2
             parts = [p.region(index, size).view(dtype).view(self.world, end - start)[self.rank] for p in self.peers]
             torch.add(parts[0], parts[1], out=output[start:end])
@@ -323,10 +274,10 @@ class ShmTransport:
 
 def _completed(async_op: bool):
     """The protocol's return value for a collective that is done: a completed work, or ``None``."""
-    return COMPLETED if async_op else None
+    return direct.COMPLETED if async_op else None
 
 
-class ShmAllGather(DirectAllGather):
+class ShmAllGather(direct.DirectAllGather):
     """All-gather through ``/dev/shm`` where the process group allows it, else the process group's own."""
 
     __slots__ = ()
@@ -338,7 +289,7 @@ class ShmAllGather(DirectAllGather):
         return transport.all_gather(output_tensor, input_tensor, async_op)
 
 
-class ShmReduceScatter(DirectReduceScatter):
+class ShmReduceScatter(direct.DirectReduceScatter):
     """Sum reduce-scatter through ``/dev/shm`` where the process group allows it, else the process group's own."""
 
     __slots__ = ()
@@ -384,7 +335,7 @@ def _set_up(group) -> ShmTransport | None:
     )
     rows = mine.new_empty(group.size() * 5)
     with python_free_tls():
-        work = group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
+        work = group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
     if work is not None:
         wait_named(work, f"the shared-memory transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()
@@ -439,14 +390,7 @@ def _unlink_at_exit() -> None:
 
 
 def _let_gloo_threads_finish() -> None:
-    """Release the GIL for a moment before the interpreter finalizes.
-
-    With the transport on, a job that ends right after its last step aborted at exit in about 1
-    of 4 short runs ("terminate called without an active exception"): a gloo worker thread
-    still finishing its last all-gather's ``Work`` frees a tensor's Python object and needs the
-    GIL, which a finalizing interpreter no longer hands out. A 0.5 s sleep before
-    ``destroy_process_group`` stopped it, so does this one at exit (0 of 14 and 0 of 40 runs
-    against 4 of 14). Which tensor it is was not found: every tensor the transport hands to
-    gloo is a long-lived buffer.
-    """
+    """Release the GIL for a moment before the interpreter finalizes: with the transport on, a
+    gloo worker thread finishing its last ``Work`` sometimes needed the GIL of a finalizing
+    interpreter and aborted the process at exit (docs/cpu-transport.md gives the runs)."""
     time.sleep(_EXIT_GRACE_SECONDS)
