@@ -41,11 +41,12 @@ from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
 from benchmarks.bench_model import CONFIG, bf16_compute, bf16_policy, shard  # noqa: E402
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
 from fsdp_compose.observe.storage import StorageTracker  # noqa: E402
-from fsdp_compose.runtime import shm_transport  # noqa: E402
-from fsdp_compose.runtime.shm_transport import TRANSPORT_ENV, segment_bytes  # noqa: E402
+from fsdp_compose.transports import TRANSPORT_ENV  # noqa: E402
+from fsdp_compose.transports import shm as shm_transport  # noqa: E402
+from fsdp_compose.transports.shm import segment_bytes  # noqa: E402
 
 OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved
-OURS_SHM = "ours, shm"  # --transport-shm: ours with FSDP_COMPOSE_TRANSPORT=shm during its steps, interleaved
+OURS_SHM = "ours, shm"  # --transport-shm: ours sharded with FSDP_COMPOSE_TRANSPORT=shm, interleaved
 # --quantized DTYPE: four more kinds, interleaved, all bf16 mixed precision (params bf16, reduce fp32)
 TORCH_BF16 = "torch, bf16"
 OURS_BF16 = "ours, bf16"
@@ -74,23 +75,24 @@ def make_runner(kind: str, base: GPT, args=None):
         from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
         shard(model, torch_fully_shard)
-    elif kind in ("ours", OURS_SHM):  # the transport is read at each collective: set around OURS_SHM's steps
+    elif kind == "ours":
         from fsdp_compose import fully_shard
 
         shard(model, fully_shard)
-    elif kind == OURS_UNCHECKED:  # the mode is read when fully_shard runs (runtime/handshake.py)
+    elif kind in (OURS_UNCHECKED, OURS_SHM):  # both are read when fully_shard runs
         from fsdp_compose import fully_shard
         from fsdp_compose.runtime.divergence import CHECK_ENV
 
-        before = os.environ.get(CHECK_ENV)
-        os.environ[CHECK_ENV] = "0"
+        name, value = (CHECK_ENV, "0") if kind == OURS_UNCHECKED else (TRANSPORT_ENV, "shm")
+        before = os.environ.get(name)
+        os.environ[name] = value
         try:
             shard(model, fully_shard)
         finally:
             if before is None:
-                del os.environ[CHECK_ENV]
+                del os.environ[name]
             else:
-                os.environ[CHECK_ENV] = before
+                os.environ[name] = before
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"step": 0}
 
@@ -107,15 +109,12 @@ def make_runner(kind: str, base: GPT, args=None):
         return tracker.peak
 
     def step(batch_size: int) -> float:
-        if kind == OURS_SHM:
-            os.environ[TRANSPORT_ENV] = "shm"
         batch = synthetic_batch(CONFIG, batch_size, state["step"], dist.get_rank())
         state["step"] += 1
         loss = lm_loss(forward, batch)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        os.environ.pop(TRANSPORT_ENV, None)
         return loss.item()
 
     step.tracked_peak = tracked_peak

@@ -1,9 +1,12 @@
-"""Custom collectives for ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``.
+"""The collective protocol every all-gather and reduce-scatter of a group goes through.
 
 The protocol follows torch's FSDP2 (same class names): an object that allocates the
 communication buffers and runs the collective, so a user can choose where buffers live (a
 memory pool, a persistent buffer) and how the bytes move (another process group, a
-compressed transport). Subclassing is optional: any object with these methods works.
+compressed transport: ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``).
+A group's defaults are objects of it too: ``DefaultAllGather`` / ``DefaultReduceScatter`` call
+the process group directly, and ``fsdp_compose/transports/`` holds the opt-in alternatives.
+Subclassing is optional: any object with these methods works.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+
+from .runtime.c10d_direct import DirectAllGather, DirectReduceScatter
 
 
 class Comm(ABC):
@@ -87,14 +92,17 @@ class ProcessGroupAllocated:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-class ProcessGroupAllGather(ProcessGroupAllocated, AllGather):
-    def __call__(self, output_tensor, input_tensor, group, async_op=False):
-        return dist.all_gather_into_tensor(output_tensor, input_tensor, group=group, async_op=async_op)
+# the defaults (runtime/c10d_direct.py, below this layer) are of the protocol without importing it
+DefaultAllGather = AllGather.register(DirectAllGather)
+DefaultReduceScatter = ReduceScatter.register(DirectReduceScatter)
 
 
-class ProcessGroupReduceScatter(ProcessGroupAllocated, ReduceScatter):
-    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        return dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+class ProcessGroupAllGather(ProcessGroupAllocated, DefaultAllGather):
+    pass
 
 
-__all__ = ["Comm", "AllGather", "ReduceScatter"]
+class ProcessGroupReduceScatter(ProcessGroupAllocated, DefaultReduceScatter):
+    pass
+
+
+__all__ = ["Comm", "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter"]

@@ -20,6 +20,7 @@ from typing_extensions import deprecated
 from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm
 from .runtime.recovery import reset_iteration
 from .runtime.state import GroupState, class_name, state_of, states_in
+from .transports import default_comms
 
 
 class FSDPModuleSettings:
@@ -145,7 +146,7 @@ class FSDPModuleSettings:
         group = self._fsdp_state().group
         check_comm(comm, "set_custom_all_gather", self._fsdp_name())
         self._refuse_with_pg_allocation(group, "set_custom_all_gather")
-        group.comm.all_gather = comm
+        group.comm.all_gather, group.comm.custom = comm, True
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Run this group's gradient reduce-scatters through ``comm`` (``ReduceScatter`` protocol).
@@ -156,7 +157,7 @@ class FSDPModuleSettings:
         group = self._fsdp_state().group
         check_comm(comm, "set_custom_reduce_scatter", self._fsdp_name())
         self._refuse_with_pg_allocation(group, "set_custom_reduce_scatter")
-        group.comm.reduce_scatter = comm
+        group.comm.reduce_scatter, group.comm.custom = comm, True
 
     def _refuse_with_pg_allocation(self, group, method: str) -> None:
         if group.comm.pg_allocation:
@@ -244,15 +245,15 @@ class FSDPModuleSettings:
         group = self._fsdp_state().group
         if not enable:
             if group.comm.pg_allocation:
-                group.comm.all_gather = group.comm.reduce_scatter = None
+                group.comm.all_gather, group.comm.reduce_scatter = default_comms()
                 group.comm.pg_allocation = False
             return
-        if group.comm.all_gather is not None or group.comm.reduce_scatter is not None:
-            if not group.comm.pg_allocation:
-                raise ValueError(
-                    f"{self._fsdp_name()}.set_allocate_memory_from_process_group_for_comm: cannot be combined with "
-                    "set_custom_all_gather / set_custom_reduce_scatter"
-                )
+        if group.comm.custom:
+            raise ValueError(
+                f"{self._fsdp_name()}.set_allocate_memory_from_process_group_for_comm: cannot be combined with "
+                "set_custom_all_gather / set_custom_reduce_scatter"
+            )
+        if group.comm.pg_allocation:
             return
         device = group.device
         all_gather = ProcessGroupAllGather(group.process_group, device)

@@ -1,20 +1,19 @@
-"""Calling a ``ProcessGroup`` directly: the data collectives, their options built once, and a
-work object for a collective that completed without one (one rank; the synchronous shm
-transport).
+"""The default collectives: objects of the ``AllGather`` / ``ReduceScatter`` protocol
+(``fsdp_compose/comm.py``) that call a ``ProcessGroup`` directly, with options built once.
 
-The runtime calls ``group.all_gather_single`` and friends itself, skipping the argument checks
-``torch.distributed``'s functions run on every call (about 10 µs of Python): its tensors are
-always plain, dense and on the group's device. Tests and benchmarks therefore count
+Calling ``group.all_gather_single`` and friends skips the argument checks
+``torch.distributed``'s functions run on every call (about 10 µs of Python): the runtime's
+tensors are always plain, dense and on the group's device. Tests and benchmarks therefore count
 collectives by wrapping ``ProcessGroup``'s methods, not ``torch.distributed``'s.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
-
-from .clean_tls import python_free_tls
 
 
 def _options(cls, **values):
@@ -42,20 +41,46 @@ class CompletedWork:
 COMPLETED = CompletedWork()
 
 
-def all_gather_into(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
-    """Issue an all-gather on ``group`` (asynchronously); one rank is a copy, not a collective."""
-    if world_size == 1:
-        if input.data_ptr() != output.data_ptr():  # several pieces were concatenated into output already
-            output.copy_(input)
-        return COMPLETED  # torch's FSDP2 skips these too
-    with python_free_tls():
-        return group.all_gather_single(output, input, ASYNC_ALL_GATHER)
+def _finished(work, async_op: bool):
+    """The protocol's return value: the work when asynchronous, else ``None`` once it is done."""
+    if async_op:
+        return work
+    work.wait()
+    return None
 
 
-def reduce_scatter_sum(output: torch.Tensor, input: torch.Tensor, group, world_size: int):
-    """Issue a sum reduce-scatter on ``group`` (asynchronously); one rank is a copy."""
-    if world_size == 1:
-        output.copy_(input)
-        return COMPLETED
-    with python_free_tls():
-        return group.reduce_scatter_single(output, input, ASYNC_SUM_REDUCE_SCATTER)
+class DirectAllGather:
+    """All-gather straight on the process group; on one rank a copy, no collective (as torch's FSDP2)."""
+
+    __slots__ = ()
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        if group.size() == 1:
+            if input_tensor.data_ptr() != output_tensor.data_ptr():  # pieces concatenated into output already
+                output_tensor.copy_(input_tensor)
+            return _finished(COMPLETED, async_op)
+        return _finished(group.all_gather_single(output_tensor, input_tensor, ASYNC_ALL_GATHER), async_op)
+
+
+class DirectReduceScatter:
+    """Sum reduce-scatter straight on the process group (``op`` is always ``SUM``); one rank is a copy."""
+
+    __slots__ = ()
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: object = None, async_op: bool = False
+    ):
+        if group.size() == 1:
+            output_tensor.copy_(input_tensor)
+            return _finished(COMPLETED, async_op)
+        return _finished(group.reduce_scatter_single(output_tensor, input_tensor, ASYNC_SUM_REDUCE_SCATTER), async_op)
+
+
+DIRECT_ALL_GATHER = DirectAllGather()
+DIRECT_REDUCE_SCATTER = DirectReduceScatter()

@@ -4,7 +4,10 @@ Copy-in concatenates every (padded) local shard, viewed as bytes, into one flat 
 group whose parameters have different dtypes still needs one all-gather; copy-out splits the
 gathered ``(world, total_bytes)`` buffer into each parameter's unsharded storage with one kernel.
 Collectives are issued with ``async_op=True`` and waited on only where the data is needed, so
-on gloo the transfer overlaps the main thread's compute.
+on gloo the transfer overlaps the main thread's compute. Every buffer and collective goes through
+the group's ``AllGather`` / ``ReduceScatter`` objects (``fsdp_compose/comm.py``): by default
+``c10d_direct``'s, which call the process group directly; a user's, or a transport's
+(``fsdp_compose/transports/``), otherwise.
 """
 
 from __future__ import annotations
@@ -15,10 +18,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .c10d_direct import all_gather_into, reduce_scatter_sum
+from .c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
 from .clean_tls import python_free_tls
 from .handshake import wait_named
-from .shm_transport import GatheredRows, transport_for
 
 
 @dataclass
@@ -79,30 +81,21 @@ def all_gather_flat(
     layout: GatherLayout,
     group,
     stats: CommStats,
-    comm=None,
+    comm=DIRECT_ALL_GATHER,
     rank: int | None = None,
-    rows_ok: bool = False,
     numel: int | None = None,
-) -> tuple[object, torch.Tensor | GatheredRows]:
+) -> tuple[object, torch.Tensor]:
     """Start one all-gather of the concatenated pieces; return (work, (world, total) output).
 
     Several pieces are concatenated straight into this rank's row of the output, which then
     is the collective's input: no separate copy-in buffer is allocated or held while the
     gather is in flight. A single piece is sent as it is (no copy at all).
     ``comm`` (an ``AllGather``-protocol object) allocates the output and runs the collective.
-    ``rows_ok``: the caller takes a ``GatheredRows`` (and copies it out before the group's next
-    collective) where the transport left the rows in shared memory.
     """
     first = pieces[0]
     if numel is None:  # ``numel``: the pieces' total, where the caller knows it already
         numel = sum(p.numel() for p in pieces)
-    shm = transport_for(group, layout.world_size, first.device) if comm is None else None
-    if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: through shared memory, synchronously
-        return shm.all_gather_flat(pieces, numel, stats, rows_ok)
-    if comm is None:
-        output = first.new_empty(layout.world_size * numel)
-    else:
-        output = comm.allocate((layout.world_size * numel,), dtype=first.dtype, device=first.device)
+    output = comm.allocate((layout.world_size * numel,), dtype=first.dtype, device=first.device)
     if len(pieces) > 1:
         if rank is None:
             rank = dist.get_rank(group)
@@ -112,20 +105,13 @@ def all_gather_flat(
         flat = first.contiguous()
     stats.all_gathers += 1
     stats.all_gather_bytes += output.numel() * output.element_size()
-    if comm is None:
-        work = all_gather_into(output, flat, group, layout.world_size)
-    else:
-        with python_free_tls():  # a user's comm issues gloo work too
-            work = comm(output, flat, group, async_op=True)
+    with python_free_tls():
+        work = comm(output, flat, group, async_op=True)
     return work, output.view(layout.world_size, -1)
 
 
-def copy_out(gathered: torch.Tensor | GatheredRows, layout: GatherLayout, targets: list[torch.Tensor]) -> None:
+def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.Tensor]) -> None:
     """Split the gathered columns into each parameter's (world, padded) target."""
-    if isinstance(gathered, GatheredRows):
-        for rank, row in enumerate(gathered.rows):
-            copy_out(row.unsqueeze(0), layout, [t[rank : rank + 1] for t in targets])
-        return
     if len(targets) == 1:
         targets[0].copy_(gathered)
     else:
@@ -137,7 +123,7 @@ def reduce_scatter_rows(
     group,
     stats: CommStats,
     pre_divide: float = 1,
-    comm=None,
+    comm=DIRECT_REDUCE_SCATTER,
     tail: torch.Tensor | None = None,
 ) -> tuple[object, torch.Tensor]:
     """Start one reduce-scatter (sum) of column blocks; rank r receives row r.
@@ -150,35 +136,19 @@ def reduce_scatter_rows(
     refer to are freed before the output is allocated and while the collective is in flight.
     ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
     """
-    top = rows[0].shape[0]
+    top, dtype, device = rows[0].shape[0], rows[0].dtype, rows[0].device
     world = top if tail is None else top + tail.shape[0]
-    shm = transport_for(group, world, rows[0].device) if comm is None else None
-    if shm is not None:  # FSDP_COMPOSE_TRANSPORT=shm: the table is built in shared memory
-        if tail is not None:
-            rows[:] = [_fill_table(rows, tail, rows[0].new_empty(world, tail.shape[1]))]
-        return shm.reduce_scatter_rows(rows, stats, pre_divide)
-    if comm is not None:
-        width = sum(r.shape[1] for r in rows)
-        buffer = comm.allocate((world * width,), dtype=rows[0].dtype, device=rows[0].device)
-        table = _fill_table(rows, tail, buffer.view(world, width))
-    elif tail is not None:
-        table = _fill_table(rows, tail, rows[0].new_empty(world, tail.shape[1]))
-    else:
-        table = torch.cat(rows, dim=1)
+    width = sum(r.shape[1] for r in rows)
+    buffer = comm.allocate((world * width,), dtype=dtype, device=device)
+    table = _fill_table(rows, tail, buffer.view(world, width))
     rows.clear()
     if pre_divide != 1:
         table.div_(pre_divide)
-    if comm is None:
-        output = table.new_empty(table.shape[1])
-    else:
-        output = comm.allocate((table.shape[1],), dtype=table.dtype, device=table.device)
+    output = comm.allocate((width,), dtype=dtype, device=device)
     stats.reduce_scatters += 1
-    stats.reduce_scatter_bytes += table.numel() * table.element_size()
-    if comm is None:
-        work = reduce_scatter_sum(output, table.view(-1), group, table.shape[0])
-    else:
-        with python_free_tls():
-            work = comm(output, table.view(-1), group, op=dist.ReduceOp.SUM, async_op=True)
+    stats.reduce_scatter_bytes += buffer.numel() * buffer.element_size()
+    with python_free_tls():
+        work = comm(output, buffer, group, op=dist.ReduceOp.SUM, async_op=True)
     return work, output
 
 

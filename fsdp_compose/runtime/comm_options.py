@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
+
 
 @dataclass
 class CommOptions:
@@ -17,8 +19,11 @@ class CommOptions:
     # requested by set_force_sum_reduction_for_comms; fsdp_compose only ever uses ReduceOp.SUM
     # (scaling runs before/after the collective), so both values behave the same
     force_sum_reduction: bool = False
-    all_gather: object | None = None  # an AllGather-protocol object (set_custom_all_gather)
-    reduce_scatter: object | None = None  # a ReduceScatter-protocol object
+    # the AllGather / ReduceScatter-protocol objects every collective goes through: the process
+    # group directly unless fully_shard chose a transport, or the user set their own
+    all_gather: object = DIRECT_ALL_GATHER
+    reduce_scatter: object = DIRECT_REDUCE_SCATTER
+    custom: bool = False  # the two above are set_custom_all_gather / set_custom_reduce_scatter's
     pg_allocation: bool = False  # the two above are set_allocate_memory_from_process_group_for_comm's
     all_reduce_hook: Callable[[torch.Tensor], None] | None = None
     reduce_process_group: object | None = None  # set_separate_reduce_scatter_group

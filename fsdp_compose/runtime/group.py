@@ -25,7 +25,6 @@ from .handshake import Handshakes, gloo_handshake_kinds, handshake_kinds
 from .params import ShardedParam
 from .post_forward_shard import PostForwardShard
 from .scopes import grad_off, labelled
-from .shm_transport import GatheredRows
 from .uids import new_uid
 
 
@@ -123,9 +122,7 @@ class ParamGroup:
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
                 self._handshake(ALL_GATHER, kept.numel(), group)
                 with labelled("all_gather", self):
-                    work, gathered = all_gather_flat(
-                        [kept], layout, group, self.stats, self.comm.all_gather, rows_ok=True
-                    )
+                    work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
             else:
                 with labelled("copy_in", self):  # casts/moves shards where needed; no concatenation here
                     pieces = []
@@ -140,14 +137,10 @@ class ParamGroup:
                 self._handshake(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
-                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, True, nbytes
+                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, nbytes
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows, extended)
-        pending = PendingCollective(work, finish, what=self._name_all_gather)
-        if isinstance(gathered, GatheredRows):  # in shared memory the group's next collectives reuse: copy out now
-            pending.finish()
-        else:
-            self.pending_unshard = pending
+        self.pending_unshard = PendingCollective(work, finish, what=self._name_all_gather)
 
     def _follow_extension_widths(self) -> None:
         widths = [w for p in self.params for w in p.gather_widths()]
@@ -165,9 +158,7 @@ class ParamGroup:
     def _handshake(self, kind: int, nbytes: int, group) -> None:
         self.handshakes.check(kind, nbytes, group, self.describe)
 
-    def _finish_unshard(
-        self, gathered: torch.Tensor | GatheredRows, layout: GatherLayout, rows: int, extended: bool = False
-    ) -> None:
+    def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int, extended: bool = False) -> None:
         with grad_off():
             with labelled("copy_out", self):
                 # later ranks' rows are padding, which no parameter reads: left unwritten (a

@@ -15,10 +15,11 @@ from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime import shm_transport
 from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
-from fsdp_compose.runtime.divergence import CHECK_ENV, ExecutionOrderError
-from fsdp_compose.runtime.shm_transport import GatheredRows
+from fsdp_compose.runtime.divergence import ExecutionOrderError
+from fsdp_compose.runtime.state import state_of
+from fsdp_compose.transports import shm as shm_transport
+from fsdp_compose.transports.shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 from tests.runtime.test_collectives import count_collectives
@@ -38,12 +39,6 @@ def env(**values):
                 del os.environ[k]
             else:
                 os.environ[k] = v
-
-
-def as_tensor(gathered) -> torch.Tensor:
-    """An all-gather's (world, numel) result; rows left in shared memory are read now, before
-    the group's next collective may overwrite them."""
-    return gathered.stacked() if isinstance(gathered, GatheredRows) else gathered
 
 
 def our_files() -> list[str]:
@@ -111,20 +106,21 @@ def _bitwise_against_gloo():
     for transport in ("gloo", "shm"):
         torch.manual_seed(0)
         model = MixedDtypes()
-        for block in model.lm.blocks:
-            fully_shard(block)
-        fully_shard(model)  # the root group: the fp32 embedding and head, and the bf16 scale
+        with env(FSDP_COMPOSE_TRANSPORT=transport):  # read by fully_shard: the groups' default collectives
+            for block in model.lm.blocks:
+                fully_shard(block)
+            fully_shard(model)  # the root group: the fp32 embedding and head, and the bf16 scale
+        assert (state_of(model).group.comm.all_gather is SHM_ALL_GATHER) == (transport == "shm")
         before = shm_transport.counters.reduce_scatters
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []
-        with env(FSDP_COMPOSE_TRANSPORT=transport):
-            for step in range(3):
-                ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(step + dist.get_rank()))
-                loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                losses.append(loss.detach())
+        for step in range(3):
+            ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(step + dist.get_rank()))
+            loss = torch.nn.functional.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
         used = shm_transport.counters.reduce_scatters - before
         assert used == (3 * 5 if transport == "shm" else 0), used  # 3 blocks + fp32 and bf16 of the root
         out[transport] = (losses, [p.detach().to_local().clone() for p in model.parameters()])
@@ -152,17 +148,17 @@ def _back_to_back(chunk: str):
 
     if rank == 0:
         shm_transport.ShmTransport._sync = late_reader
-    with env(FSDP_COMPOSE_TRANSPORT="shm", **({shm_transport.CHUNK_ENV: chunk} if chunk else {})):
+    with env(**({shm_transport.CHUNK_ENV: chunk} if chunk else {})):
         for i, n in enumerate([5, 3000, 7, 20000, 1, 20000, 64]):
             pieces = [torch.arange(n, dtype=torch.float32) + 1000 * rank + i, torch.full((2,), float(rank))]
-            work, gathered = all_gather_flat(pieces, GatherLayout([4 * (n + 2)], world), group, stats, rank=rank)
+            layout = GatherLayout([4 * (n + 2)], world)
+            work, gathered = all_gather_flat(pieces, layout, group, stats, SHM_ALL_GATHER, rank=rank)
             work.wait()
-            gathered = as_tensor(gathered)
             expected = torch.stack([torch.cat([torch.arange(n) + 1000 * k + i, torch.full((2,), float(k))])
                                     for k in range(world)])
             assert torch.equal(gathered, expected), (i, n)
             table = [torch.arange(world * n, dtype=torch.float64).view(world, n) * (rank + 1) + i]
-            work, reduced = reduce_scatter_rows(table, group, stats)
+            work, reduced = reduce_scatter_rows(table, group, stats, comm=SHM_REDUCE_SCATTER)
             expected = sum(torch.arange(world * n, dtype=torch.float64).view(world, n)[rank] * (k + 1) + i
                            for k in range(world))
             assert torch.equal(reduced, expected), (i, n)
@@ -184,15 +180,14 @@ def test_back_to_back_collectives_of_different_sizes(chunk):
 def _diverging_sizes():
     rank = dist.get_rank()
     group = dist.new_group([0, 1])
-    with env(FSDP_COMPOSE_TRANSPORT="shm", **{CHECK_ENV: "0"}):
-        table = [torch.ones(2, 4 + rank)]
-        try:
-            reduce_scatter_rows(table, group, CommStats())
-        except ExecutionOrderError as error:
-            message = str(error)
-        files = our_files()
-        # every rank raised, so a later collective sets up afresh and works
-        work, reduced = reduce_scatter_rows([torch.ones(2, 3)], group, CommStats())
+    table = [torch.ones(2, 4 + rank)]
+    try:
+        reduce_scatter_rows(table, group, CommStats(), comm=SHM_REDUCE_SCATTER)
+    except ExecutionOrderError as error:
+        message = str(error)
+    files = our_files()
+    # every rank raised, so a later collective sets up afresh and works
+    work, reduced = reduce_scatter_rows([torch.ones(2, 3)], group, CommStats(), comm=SHM_REDUCE_SCATTER)
     return message, files, reduced.tolist()
 
 
@@ -200,9 +195,10 @@ def test_diverging_sizes_named_on_every_rank():
     results = run_on_ranks(2, _diverging_sizes)
     assert results[0][0] == results[1][0]
     assert_expected_inline(results[0][0], """\
-Ranks diverged in a shared-memory collective over process group ranks [0, 1] (FSDP_COMPOSE_TRANSPORT=shm): they contributed different collectives or sizes (a rank skipped a sharded module or its backward, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
-  rank 0: reduce-scatter of 32 bytes
-  rank 1: reduce-scatter of 40 bytes""")
+Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: reduce-scatter through /dev/shm, 32 bytes
+  rank 1: reduce-scatter through /dev/shm, 40 bytes
+(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)""")
     for _, files, reduced in results:
         assert files == []
         assert reduced == [2.0, 2.0, 2.0]
@@ -216,14 +212,13 @@ def _host_mismatch():
         shm_transport.host_identity = lambda: "another-host/boot"
     shm_transport._warned = False
     try:
-        with env(FSDP_COMPOSE_TRANSPORT="shm"), warnings.catch_warnings(record=True) as caught, \
-                count_collectives() as counts:
+        with warnings.catch_warnings(record=True) as caught, count_collectives() as counts:
             warnings.simplefilter("always")
             pieces = [torch.full((3,), float(rank))]
-            work, gathered = all_gather_flat(pieces, GatherLayout([12], 2), group, CommStats(), rank=rank)
+            work, gathered = all_gather_flat(pieces, GatherLayout([12], 2), group, CommStats(), SHM_ALL_GATHER, rank)
             work.wait()
             # a tensor not on the CPU never takes the shm path
-            assert shm_transport.transport_for(group, 2, torch.device("meta")) is None
+            assert shm_transport.transport_for(group, torch.device("meta")) is None
     finally:
         shm_transport.host_identity = original
     return gathered.tolist(), sum(counts[n] for n in DATA), [str(w.message) for w in caught]
@@ -256,15 +251,14 @@ def _shm_full():
         shm_transport._fallocate = full
     gathered = []
     try:
-        with env(FSDP_COMPOSE_TRANSPORT="shm"), warnings.catch_warnings(record=True) as caught, \
-                count_collectives() as counts:
+        with warnings.catch_warnings(record=True) as caught, count_collectives() as counts:
             warnings.simplefilter("always")
             for n in (10, 5000, 5000):
                 work, out = all_gather_flat([torch.full((n,), float(rank))], GatherLayout([4 * n], 2), group,
-                                            CommStats(), rank=rank)
+                                            CommStats(), SHM_ALL_GATHER, rank)
                 work.wait()
-                gathered.append(torch.equal(as_tensor(out), torch.stack([torch.zeros(n), torch.ones(n)])))
-            work, reduced = reduce_scatter_rows([torch.ones(2, 3000)], group, CommStats())
+                gathered.append(torch.equal(out, torch.stack([torch.zeros(n), torch.ones(n)])))
+            work, reduced = reduce_scatter_rows([torch.ones(2, 3000)], group, CommStats(), comm=SHM_REDUCE_SCATTER)
             work.wait()
     finally:
         shm_transport._fallocate = original
@@ -293,7 +287,7 @@ def _killed_rank(rank: int, port: int, results) -> None:
     group = dist.group.WORLD
     stats = CommStats()
     for n in (10, 10, 10):
-        all_gather_flat([torch.ones(n)], GatherLayout([4 * n], 2), group, stats, rank=rank)
+        all_gather_flat([torch.ones(n)], GatherLayout([4 * n], 2), group, stats, SHM_ALL_GATHER, rank)
     prefix = next(iter(shm_transport._prefixes))
     if rank == 1:
         original = shm_transport.ShmTransport._sync
@@ -304,7 +298,7 @@ def _killed_rank(rank: int, port: int, results) -> None:
         shm_transport.ShmTransport._sync = die
         del original
     try:
-        all_gather_flat([torch.ones(5000)], GatherLayout([20000], 2), group, stats, rank=rank)
+        all_gather_flat([torch.ones(5000)], GatherLayout([20000], 2), group, stats, SHM_ALL_GATHER, rank)
         outcome = "no error"
     except Exception as error:  # noqa: BLE001 - the type is what the test reports
         outcome = type(error).__name__

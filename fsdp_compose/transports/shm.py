@@ -1,44 +1,19 @@
-"""Opt-in shared-memory transport for CPU all-gathers and reduce-scatters between ranks on one host.
+"""Opt-in shared-memory transport: CPU all-gathers and reduce-scatters between ranks on one host.
 
-gloo moves CPU tensors through TCP loopback: an all-gather producing 32 MiB costs tens of
-milliseconds of CPU, where copying 32 MiB costs a few. With ``FSDP_COMPOSE_TRANSPORT=shm``
-(read at every collective, so it can differ per model in one process; every rank must set it
-alike), a process group of several ranks whose tensors live on the CPU and whose ranks share
-one host exchanges the data through files under ``/dev/shm`` instead:
+gloo moves CPU tensors through TCP loopback, tens of milliseconds of CPU for 32 MiB where a copy
+costs a few. ``ShmAllGather`` / ``ShmReduceScatter`` are ``Comm``-protocol objects that
+``fully_shard`` gives its groups while ``FSDP_COMPOSE_TRANSPORT=shm`` is set (alike on every
+rank); where a process group's ranks share one host and its tensors are on the CPU they move the
+bytes through files under ``/dev/shm``, elsewhere they call the process group. docs/cpu-transport.md
+describes set-up, segments, chunks, growth, a full ``/dev/shm`` and the errors.
 
-- each rank owns one segment, a file mapped with ``torch.from_file(..., shared=True)``, split in
-  two equal halves; collective number ``n`` on the group uses half ``n % 2`` on every rank;
-- a rank writes its contribution (its all-gather row, or its whole reduce-scatter table) into
-  its own half, then a *sync* (a tiny gloo all-gather of ``[magic, kind, bytes, generation,
-  half size]`` per rank, issued on the process group object itself like the handshake, so it
-  is not counted as a data collective) proves every rank has written; then each rank reads
-  what it needs straight from the peers' halves (all rows; or row ``r`` of every table, summed
-  in rank order 0..ws-1, the same on every rank; at ws 2 ``a + b`` is bitwise gloo's sum).
-
-Reuse rule: a rank writes half ``h`` again only in collective ``n + 2``, after the sync of
-collective ``n + 1`` completed. That sync completes only once every peer has entered it, and a
-peer enters it only after it finished reading collective ``n`` (the shm collective is
-synchronous: it returns a completed work object). So no region is overwritten while a peer may
-still read it, with one sync per collective.
-
-A contribution larger than the half makes a new segment (next *generation*, half = that
-contribution), up to ``FSDP_COMPOSE_SHM_CHUNK_BYTES`` (default 8 MiB, rank 0's value): a larger
-contribution is exchanged in chunks of that size, one sync each (an all-gather row through a
-private buffer, the gloo path's; a reduce-scatter table block by block straight from the
-gradients). So a rank holds at most 2x min(chunk, its largest contribution). Peers learn the new
-generation from the sync payload and map it at once; an extra sync then tells the owner that
-everyone mapped it, and the owner unlinks the file: outside a growing collective no file of
-ours exists in ``/dev/shm`` (the mappings live on until dropped). Files are also unlinked at
-exit, and every file of the job (one random prefix per process group, agreed at set-up) when a
-sync fails (a peer died) or ranks disagree.
-
-Set-up, at a group's first shm collective, exchanges a hash of the hostname and the boot id:
-if the ranks are not all on one host (or ``/dev/shm`` is missing), the group keeps using gloo,
-with a one-time warning. A segment's pages are reserved when it is made (``posix_fallocate``), so a
-full ``/dev/shm`` (docker's default is 64 MiB) is a failed reservation, not a SIGBUS at a later
-write; the rank says so in the sync, and every rank runs that collective, and the group's later
-ones, over gloo, with a warning. Ranks that contribute different sizes or kinds get the same
-``ExecutionOrderError`` on every rank, naming the process group's ranks and each rank's size.
+Each rank owns one segment in two halves; collective ``n`` on a group uses half ``n % 2``. A rank
+copies its contribution into its half, then a *sync* (a tiny gloo all-gather of ``[magic, kind,
+bytes, generation, half size]`` per rank) proves every rank wrote and agrees; then each rank
+reads the peers' halves. Reuse rule: a rank writes half ``h`` again only in collective ``n + 2``,
+after the sync of collective ``n + 1`` completed, which needs every peer to have entered it,
+i.e. finished reading collective ``n`` (the collective is synchronous). So one sync per
+collective is enough.
 """
 
 from __future__ import annotations
@@ -57,10 +32,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .c10d_direct import ASYNC_ALL_GATHER, COMPLETED, all_gather_into, reduce_scatter_sum
-from .clean_tls import python_free_tls
-from .divergence import MAGIC, ExecutionOrderError
-from .handshake import ALL_GATHER, KINDS, REDUCE_SCATTER, wait_named
+from ..runtime import c10d_direct as direct
+from ..runtime.clean_tls import python_free_tls
+from ..runtime.divergence import KINDS, MAGIC, ExecutionOrderError, diverged_message
+from ..runtime.handshake import ALL_GATHER, REDUCE_SCATTER, wait_named
 
 TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
 CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
@@ -88,32 +63,6 @@ class ShmCounters:
 counters = ShmCounters()
 
 
-def _environ_lookup(name: str, value: str):
-    """A function telling, cheaply, whether environment variable ``name`` is ``value`` now.
-
-    ``os.environ.get`` runs four Python frames (about 0.6 µs); the transport reads its variable
-    at every collective, three per group and step. CPython's ``os.environ`` keeps its entries
-    in a dict of encoded keys and values, updated by every assignment and deletion through
-    ``os.environ``: a lookup there sees exactly what ``os.environ.get`` would. Elsewhere the
-    plain lookup is used.
-    """
-    data = getattr(os.environ, "_data", None)
-    encode_key = getattr(os.environ, "encodekey", None)
-    encode_value = getattr(os.environ, "encodevalue", None)
-    if type(data) is not dict or encode_key is None or encode_value is None:
-        return lambda: os.environ.get(name) == value
-    key, expected = encode_key(name), encode_value(value)
-    return lambda: data.get(key) == expected
-
-
-_transport_requested = _environ_lookup(TRANSPORT_ENV, "shm")
-
-
-def requested() -> bool:
-    """Whether ``FSDP_COMPOSE_TRANSPORT=shm`` is set now."""
-    return _transport_requested()
-
-
 def host_identity() -> str:
     """What must be equal on every rank for them to share ``/dev/shm``: hostname and boot id."""
     try:
@@ -129,33 +78,14 @@ def segment_bytes() -> int:
     return sum(t.own.tensor.numel() for t in list(_transports.values()) if t is not None and t.own is not None)
 
 
-class GatheredRows:
-    """An all-gather's result left where the transport put it (each rank's row in its own
-    shared-memory segment, ``runtime/shm_transport.py``): valid only until the next collective
-    on that process group, so the caller copies it out at once, straight into the targets,
-    instead of through a (world, total) buffer."""
-
-    __slots__ = ("rows",)
-
-    def __init__(self, rows: list[torch.Tensor]) -> None:
-        self.rows = rows
-
-    def stacked(self) -> torch.Tensor:
-        return torch.stack(self.rows)
-
-    def __getitem__(self, ranks: slice) -> GatheredRows:
-        """The rows of ``ranks``, as slicing a (world, total) tensor's rows would give them."""
-        return GatheredRows(self.rows[ranks])
-
-
+@dataclass
 class _Segment:
     """One mapped file: two halves of ``half`` bytes."""
 
-    def __init__(self, path: str, generation: int, half: int, tensor: torch.Tensor) -> None:
-        self.path = path
-        self.generation = generation
-        self.half = half
-        self.tensor = tensor
+    path: str
+    generation: int
+    half: int
+    tensor: torch.Tensor
 
     def region(self, index: int, nbytes: int) -> torch.Tensor:
         start = index * self.half
@@ -183,10 +113,8 @@ class ShmTransport:
 
     @property
     def group(self):
-        """The process group. Held weakly: ``_transports`` is keyed weakly by the group, and a
-        value that referred to its key would keep the group alive past
-        ``destroy_process_group`` until interpreter teardown, where gloo's threads are torn
-        down out of order (``terminate called without an active exception``, SIGABRT at exit)."""
+        """The process group, held weakly: ``_transports`` is keyed weakly by it, and a strong
+        reference kept it alive past ``destroy_process_group`` into interpreter teardown (SIGABRT)."""
         return self._group()
 
     # ----- segments ---------------------------------------------------------------------------
@@ -264,7 +192,7 @@ class ShmTransport:
         counters.syncs += 1
         try:
             with python_free_tls():
-                work = self.group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
+                work = self.group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
             if work is not None:
                 wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
@@ -275,19 +203,15 @@ class ShmTransport:
         return dist.get_process_group_ranks(self.group)
 
     def _raise_disagreement(self, rows: torch.Tensor) -> None:
-        lines = []
+        lines, kinds = [], []
         for rank, (magic, kind, nbytes, _, _) in zip(self._ranks(), rows.tolist()):
             if magic != MAGIC or kind not in KINDS:
                 lines.append(f"  rank {rank}: <not a shared-memory collective>")
             else:
-                lines.append(f"  rank {rank}: {KINDS[kind]} of {nbytes} bytes")
+                lines.append(f"  rank {rank}: {KINDS[kind]} through {SHM_DIR}, {nbytes} bytes")
+                kinds.append(kind)
         self._abandon()
-        raise ExecutionOrderError(
-            f"Ranks diverged in a shared-memory collective over process group ranks {self._ranks()} "
-            f"({TRANSPORT_ENV}=shm): they contributed different collectives or sizes (a rank skipped a "
-            "sharded module or its backward, ran a different number of forward calls, or ran modules "
-            "in another order; check data-dependent control flow):\n" + "\n".join(lines)
-        )
+        raise ExecutionOrderError(diverged_message(lines, kinds))
 
     def _abandon(self) -> None:
         """After a failed or diverged sync: unlink every file of this job, forget the group (a
@@ -300,112 +224,87 @@ class ShmTransport:
             del _transports[self.group]
 
     # ----- collectives ------------------------------------------------------------------------
-    def all_gather_flat(
-        self, pieces: list[torch.Tensor], numel: int, stats, rows_ok: bool = False
-    ) -> tuple[object, torch.Tensor | GatheredRows]:
-        """Concatenate ``pieces`` into this rank's half, sync, then hand back every rank's row
-        where it lies (``rows_ok``: a ``GatheredRows`` the caller copies out before the group's
-        next collective) or copied into one output; a row larger than a chunk is concatenated
-        into the output and exchanged chunk by chunk."""
-        first = pieces[0]
-        nbytes = numel * first.element_size()
-        stats.all_gathers += 1
-        stats.all_gather_bytes += self.world * nbytes
-        if nbytes <= self.chunk:
-            region = self._own_region(nbytes)
-            if region is not None:
-                _concat(pieces, region.view(first.dtype))
-                if self._sync(ALL_GATHER, nbytes, True):
-                    index = self.calls % 2
-                    self.calls += 1
-                    counters.all_gathers += 1
-                    rows = [p.region(index, nbytes).view(first.dtype) for p in self.peers]
-                    if rows_ok:
-                        return COMPLETED, GatheredRows(rows)
-                    output = first.new_empty(self.world * numel)
-                    return COMPLETED, torch.cat(rows, out=output).view(self.world, -1)
-                mine = region.view(first.dtype)  # a peer had no room: over gloo after all
-            else:
-                mine = first.new_empty(numel)
-                _concat(pieces, mine)
-                self._sync(ALL_GATHER, nbytes, False)  # tells every rank to use gloo
-            output = first.new_empty(self.world * numel)
-            return all_gather_into(output, mine, self.group, self.world), output.view(self.world, -1)
-        output = first.new_empty(self.world * numel)
-        rows = output.view(self.world, numel)
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+        """Copy this rank's row of ``output`` into its half, sync, copy the peers' rows into
+        ``output``; a row larger than a chunk goes chunk by chunk, one sync each."""
+        rows = output.view(self.world, -1)
         mine = rows[self.rank]
-        _concat(pieces, mine)
+        if input.data_ptr() != mine.data_ptr():  # the runtime concatenates several pieces into it
+            mine.copy_(input.view(-1))
         by_byte = rows.view(torch.uint8)
+        nbytes = by_byte.shape[1]
         for start in range(0, nbytes, self.chunk):
             size = min(self.chunk, nbytes - start)
             region = self._own_region(size)  # grows at the first chunk only: later ones fit
             if region is not None:
                 region.copy_(by_byte[self.rank, start : start + size])
-            if not self._sync(ALL_GATHER, nbytes, region is not None):
-                return all_gather_into(output, mine, self.group, self.world), rows
+            if not self._sync(ALL_GATHER, nbytes, region is not None):  # a rank had no room: over gloo
+                return direct.DIRECT_ALL_GATHER(output, mine, self.group, async_op)
             for rank, peer in enumerate(self.peers):
                 if rank != self.rank:
                     by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
             self.calls += 1
         counters.all_gathers += 1
-        return COMPLETED, rows
+        return _completed(async_op)
 
-    def reduce_scatter_rows(self, rows: list[torch.Tensor], stats, pre_divide: float) -> tuple[object, torch.Tensor]:
-        """Build the (world, width) table in this rank's half, sync, sum row ``rank`` of every
-        table; a table larger than a chunk goes by column blocks, each copied from ``rows``
-        straight into the half (no private table: one copy of the gradients, not two)."""
-        width = sum(r.shape[1] for r in rows)
-        dtype = rows[0].dtype
-        nbytes = self.world * width * dtype.itemsize
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool):
+        """Copy the (world, width) table into this rank's half, sync, sum row ``rank`` of every
+        rank's table into ``output``; a table larger than a chunk goes by column blocks."""
+        dtype, width = input.dtype, output.numel()
+        table = input.view(self.world, width)
+        nbytes = input.numel() * dtype.itemsize
         columns = width if nbytes <= self.chunk else max(1, self.chunk // (self.world * dtype.itemsize))
-        output = rows[0].new_empty(width)
-        stats.reduce_scatters += 1
-        stats.reduce_scatter_bytes += nbytes
         for start in range(0, width, columns):
             end = min(start + columns, width)
-            region = self._own_region(self.world * (end - start) * dtype.itemsize)  # grows at the first block only
-            if region is not None:
-                block = region.view(dtype).view(self.world, end - start)
-                _columns_into(rows, start, end, block)
-                if pre_divide != 1:
-                    block.div_(pre_divide)
-            if not self._sync(REDUCE_SCATTER, nbytes, region is not None):  # only at the first block
-                table = torch.cat(rows, dim=1)
-                rows.clear()
-                if pre_divide != 1:
-                    table.div_(pre_divide)
-                return reduce_scatter_sum(output, table.view(-1), self.group, self.world), output
-            index = self.calls % 2
             size = self.world * (end - start) * dtype.itemsize
+            region = self._own_region(size)  # grows at the first block only
+            if region is not None:
+                region.view(dtype).view(self.world, end - start).copy_(table[:, start:end])
+            if not self._sync(REDUCE_SCATTER, nbytes, region is not None):  # only at the first block
+                return direct.DIRECT_REDUCE_SCATTER(output, input, self.group, async_op=async_op)
+            index = self.calls % 2
             parts = [p.region(index, size).view(dtype).view(self.world, end - start)[self.rank] for p in self.peers]
             torch.add(parts[0], parts[1], out=output[start:end])
             for part in parts[2:]:
                 output[start:end].add_(part)
             self.calls += 1
-        rows.clear()
         counters.reduce_scatters += 1
-        return COMPLETED, output
+        return _completed(async_op)
 
 
-def _columns_into(rows: list[torch.Tensor], start: int, end: int, out: torch.Tensor) -> None:
-    """Columns ``start:end`` of the rows laid side by side, copied into ``out``."""
-    pieces, offset = [], 0
-    for row in rows:
-        width = row.shape[1]
-        if offset < end and offset + width > start:
-            pieces.append(row[:, max(start - offset, 0) : min(end - offset, width)])
-        offset += width
-    if len(pieces) > 1:
-        torch.cat(pieces, dim=1, out=out)
-    else:
-        out.copy_(pieces[0])
+def _completed(async_op: bool):
+    """The protocol's return value for a collective that is done: a completed work, or ``None``."""
+    return direct.COMPLETED if async_op else None
 
 
-def _concat(pieces: list[torch.Tensor], out: torch.Tensor) -> None:
-    if len(pieces) > 1:
-        torch.cat(pieces, out=out)
-    else:
-        out.view(pieces[0].shape).copy_(pieces[0])
+class ShmAllGather(direct.DirectAllGather):
+    """All-gather through ``/dev/shm`` where the process group allows it, else the process group's own."""
+
+    __slots__ = ()
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
+        transport = transport_for(group, output_tensor.device)
+        if transport is None:
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+        return transport.all_gather(output_tensor, input_tensor, async_op)
+
+
+class ShmReduceScatter(direct.DirectReduceScatter):
+    """Sum reduce-scatter through ``/dev/shm`` where the process group allows it, else the process group's own."""
+
+    __slots__ = ()
+
+    def __call__(
+        self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: object = None, async_op: bool = False
+    ):
+        transport = transport_for(group, output_tensor.device)
+        if transport is None:
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+        return transport.reduce_scatter(output_tensor, input_tensor, async_op)
+
+
+SHM_ALL_GATHER = ShmAllGather()
+SHM_REDUCE_SCATTER = ShmReduceScatter()
 
 
 # process group -> its transport, or None where set-up fell back to gloo
@@ -415,11 +314,10 @@ _prefixes: set[str] = set()  # every job prefix this process used: cleaned at ex
 _warned = False
 
 
-def transport_for(group, world_size: int, device: torch.device) -> ShmTransport | None:
-    """The group's shm transport if ``FSDP_COMPOSE_TRANSPORT=shm`` applies to this collective."""
-    if world_size == 1 or not _transport_requested() or device.type != "cpu":
+def transport_for(group, device: torch.device) -> ShmTransport | None:
+    """The process group's shm transport, if its collectives on ``device`` can go through ``/dev/shm``."""
+    if device.type != "cpu" or group.size() == 1:
         return None
-    group = group if group is not None else dist.group.WORLD
     transport = _transports.get(group, False)
     if transport is False:
         transport = _transports[group] = _set_up(group)
@@ -437,7 +335,7 @@ def _set_up(group) -> ShmTransport | None:
     )
     rows = mine.new_empty(group.size() * 5)
     with python_free_tls():
-        work = group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
+        work = group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
     if work is not None:
         wait_named(work, f"the shared-memory transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()
@@ -492,14 +390,7 @@ def _unlink_at_exit() -> None:
 
 
 def _let_gloo_threads_finish() -> None:
-    """Release the GIL for a moment before the interpreter finalizes.
-
-    With the transport on, a job that ends right after its last step aborted at exit in about 1
-    of 4 short runs ("terminate called without an active exception"): a gloo worker thread
-    still finishing its last all-gather's ``Work`` frees a tensor's Python object and needs the
-    GIL, which a finalizing interpreter no longer hands out. A 0.5 s sleep before
-    ``destroy_process_group`` stopped it, so does this one at exit (0 of 14 and 0 of 40 runs
-    against 4 of 14). Which tensor it is was not found: every tensor the transport hands to
-    gloo is a long-lived buffer.
-    """
+    """Release the GIL for a moment before the interpreter finalizes: with the transport on, a
+    gloo worker thread finishing its last ``Work`` sometimes needed the GIL of a finalizing
+    interpreter and aborted the process at exit (docs/cpu-transport.md gives the runs)."""
     time.sleep(_EXIT_GRACE_SECONDS)
