@@ -8,18 +8,25 @@ on gloo the transfer overlaps the main thread's compute. Every buffer and collec
 the group's ``AllGather`` / ``ReduceScatter`` objects (``fsdp_compose/comm.py``): by default
 ``c10d_direct``'s, which call the process group directly; a user's, or a transport's
 (``fsdp_compose/transports/``), otherwise.
+
+The group enters two cheap scopes around these: ``grad_off()``, ``torch.no_grad()`` at about half
+its cost (it only saves the grad mode, turns it off and restores it, where ``torch.no_grad`` runs
+several Python frames, a few times per group and step), and ``labelled(kind, group)``, the
+profiler label ``fsdp_compose::all_gather blocks.3`` around each collective step (one flag read
+and a shared null context when no profiler runs).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 import torch.distributed as dist
 
-from .c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
-from .clean_tls import python_free_tls
+from .c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER, python_free_tls
 from .handshake import wait_named
 
 
@@ -167,3 +174,39 @@ def all_reduce_sum(tensor: torch.Tensor, group, stats: CommStats) -> None:
     stats.all_reduce_bytes += tensor.numel() * tensor.element_size()
     with python_free_tls():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+_set_grad_enabled = torch._C._set_grad_enabled
+_is_grad_enabled = torch._C.is_grad_enabled
+
+
+class grad_off:  # noqa: N801 - used like torch.no_grad
+    """``with grad_off():`` runs the block with autograd recording off, then restores the mode."""
+
+    __slots__ = ("previous",)
+
+    def __enter__(self) -> None:
+        self.previous = _is_grad_enabled()
+        _set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        _set_grad_enabled(self.previous)
+
+
+_NULL = contextlib.nullcontext()
+
+
+def group_name(label: str) -> str:
+    """The module FQN inside a group label (``'blocks.3' (Block)`` after lazy init); else the label."""
+    if label.startswith("'"):
+        end = label.find("'", 1)
+        if end > 0:
+            return label[1:end]
+    return label
+
+
+def labelled(kind: str, group) -> contextlib.AbstractContextManager:
+    """``record_function("fsdp_compose::<kind> <module fqn>")`` while a profiler runs, else a no-op."""
+    if not _autograd_profiler._is_profiler_enabled:
+        return _NULL
+    return torch.profiler.record_function(f"fsdp_compose::{kind} {group_name(group.label)}")

@@ -17,6 +17,8 @@ from .collectives import (
     all_gather_flat,
     all_reduce_sum,
     copy_out,
+    grad_off,
+    labelled,
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
@@ -24,7 +26,6 @@ from .divergence import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from .handshake import Handshakes, gloo_handshake_kinds, handshake_kinds
 from .params import ShardedParam
 from .post_forward_shard import PostForwardShard
-from .scopes import grad_off, labelled
 from .uids import new_uid
 
 

@@ -49,8 +49,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
-from .clean_tls import python_free_tls
+from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE, python_free_tls
 from .divergence import (
     ALL_GATHER,
     ALL_REDUCE,

@@ -29,8 +29,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
-from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE
-from .clean_tls import python_free_tls
+from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE, python_free_tls
 from .divergence import KINDS, MAGIC, ExecutionOrderError, diverged_message, entry_line
 
 SLOTS = 256  # rows per ledger buffer: a round closes early when they are used up

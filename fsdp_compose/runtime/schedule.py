@@ -1,4 +1,4 @@
-"""Execution order and prefetch targets.
+"""Execution order, prefetch targets, and issuing the prefetches.
 
 The forward order is recorded over a whole step: a step ends at the root's next forward after
 a backward, so a step with several backward passes (a chunked loss, pipeline micro-batches) is
@@ -90,3 +90,15 @@ def _set_reference(root: RootState, order: list[GroupState]) -> None:
 
 def _name(order: list[GroupState], index: int) -> str:
     return order[index].group.label if index < len(order) else "<end>"
+
+
+def unshard_with_prefetch(state: GroupState, targets: list[GroupState]) -> None:
+    """Finish our all-gather (usually prefetched already), then issue the targets'.
+
+    Every rank issues the same all-gathers in the same order, so the prefetched ones move
+    bytes on gloo's threads while this group computes. Issuing them after our copy-out means
+    our gather buffer is freed before theirs is allocated (one group's buffer less at the peak).
+    """
+    state.group.unshard()
+    for target in targets:
+        target.group.start_unshard()

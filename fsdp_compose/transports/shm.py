@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import c10d_direct as direct
-from ..runtime.clean_tls import python_free_tls
+from ..runtime.c10d_direct import python_free_tls
 from ..runtime.divergence import KINDS, MAGIC, ExecutionOrderError, diverged_message
 from ..runtime.handshake import ALL_GATHER, REDUCE_SCATTER, wait_named
 

@@ -1,7 +1,8 @@
 """Backward hooks: pre-backward on forward outputs, post-backward per group, the root's final callback.
 
 A group's post-backward runs once both (a) every trainable parameter's gradient was accumulated
-and (b) every forward call's grad-requiring inputs got their gradient, which means no autograd
+and (b) every forward call's grad-requiring inputs got their gradient (the identity
+``forward.py`` routes them through tells it), which means no autograd
 node inside the module still needs the unsharded (frozen or trainable) weights. Groups that
 never meet both (unused parameters, frozen subtrees, inputs that need no grad) are finished by
 the root's end-of-backward callback.
@@ -13,46 +14,8 @@ from functools import partial
 
 import torch
 
-from ..schedule import backward_prefetch_targets, end_backward
+from ..schedule import backward_prefetch_targets, end_backward, unshard_with_prefetch
 from ..state import GroupState, RootState
-
-
-class PostBackwardSignal(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs when their gradients are ready."""
-
-    @staticmethod
-    def forward(ctx, state: GroupState, *tensors: torch.Tensor):
-        ctx.state = state
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        _inputs_done(ctx.state)
-        return (None, *grads)
-
-
-def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Return ``tensors`` routed through autograd nodes whose backward tells ``state`` that this
-    forward call's inputs got their gradients.
-
-    One plain tensor (the usual case) goes through ``view_as`` with a post-hook on its node: a
-    C++ op and a hook instead of a Python ``autograd.Function`` (about half the cost). Several
-    go through one ``PostBackwardSignal``, which fires once all are done. If the module then
-    modifies the view in place, autograd replaces its node and the hook never fires; the
-    group's post-backward then runs at the end of backward (``PostBackwardSignal``'s output
-    refuses in-place modification altogether).
-    """
-    state.inputs_pending += 1
-    if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
-        view = tensors[0].view_as(tensors[0])
-        view.grad_fn.register_hook(lambda grad_inputs, grad_outputs, state=state: _inputs_done(state))
-        return (view,)
-    return PostBackwardSignal.apply(state, *tensors)
-
-
-def _inputs_done(state: GroupState) -> None:
-    state.inputs_pending -= 1
-    maybe_post_backward(state)
 
 
 def queue_end_of_backward(root: RootState) -> None:
@@ -60,18 +23,6 @@ def queue_end_of_backward(root: RootState) -> None:
         return
     root.in_backward = True
     torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(root))
-
-
-def unshard_with_prefetch(state: GroupState, targets: list[GroupState]) -> None:
-    """Finish our all-gather (usually prefetched already), then issue the targets'.
-
-    Every rank issues the same all-gathers in the same order, so the prefetched ones move
-    bytes on gloo's threads while this group computes. Issuing them after our copy-out means
-    our gather buffer is freed before theirs is allocated (one group's buffer less at the peak).
-    """
-    state.group.unshard()
-    for target in targets:
-        target.group.start_unshard()
 
 
 def pre_backward(state: GroupState) -> None:

@@ -1,4 +1,5 @@
-"""Pre- and post-forward hooks, and the root's lazy initialization."""
+"""Pre- and post-forward hooks, the root's lazy initialization, and the identity a pre-forward
+puts on a module's inputs so that backward can tell when the module's own backward is done."""
 
 from __future__ import annotations
 
@@ -10,9 +11,9 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..output_tensors import is_tensor_leaf, output_tensors
 from ..refresh import follow_module
-from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward
+from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward, unshard_with_prefetch
 from ..state import GroupState, RootState, class_name, states_in
-from .backward import pre_backward, signal_post_backward, unshard_with_prefetch
+from .backward import maybe_post_backward, pre_backward
 from .not_traced import not_traced
 
 
@@ -51,6 +52,44 @@ def plain_tensor_args(args: object, kwargs: dict) -> bool:
     flatten/unflatten, which profiles as a large share of the per-group CPU overhead.
     """
     return not kwargs and type(args) is tuple and all(is_tensor_leaf(a) for a in args)
+
+
+class PostBackwardSignal(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs when their gradients are ready."""
+
+    @staticmethod
+    def forward(ctx, state: GroupState, *tensors: torch.Tensor):
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        _inputs_done(ctx.state)
+        return (None, *grads)
+
+
+def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """Return ``tensors`` routed through autograd nodes whose backward tells ``state`` that this
+    forward call's inputs got their gradients.
+
+    One plain tensor (the usual case) goes through ``view_as`` with a post-hook on its node: a
+    C++ op and a hook instead of a Python ``autograd.Function`` (about half the cost). Several
+    go through one ``PostBackwardSignal``, which fires once all are done. If the module then
+    modifies the view in place, autograd replaces its node and the hook never fires; the
+    group's post-backward then runs at the end of backward (``PostBackwardSignal``'s output
+    refuses in-place modification altogether).
+    """
+    state.inputs_pending += 1
+    if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
+        view = tensors[0].view_as(tensors[0])
+        view.grad_fn.register_hook(lambda grad_inputs, grad_outputs, state=state: _inputs_done(state))
+        return (view,)
+    return PostBackwardSignal.apply(state, *tensors)
+
+
+def _inputs_done(state: GroupState) -> None:
+    state.inputs_pending -= 1
+    maybe_post_backward(state)  # hooks/backward.py
 
 
 def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
