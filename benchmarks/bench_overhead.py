@@ -7,9 +7,8 @@
 With the fake backend every collective returns at once, so a step's time is compute on tiny
 tensors plus the library's own bookkeeping; the compute-only figure (same model, no sharding)
 is subtracted to get the overhead. The last line prices the profiler labels
-(``fsdp_compose::all_gather blocks.3``...) when no profiler is active. The fake backend moves
-no real data between ranks, so ``ours`` checks each all-gather's tag against a locally built
-one (the same work, plus one tag build); the handshake before each all-gather runs as usual.
+(``fsdp_compose::all_gather blocks.3``...) when no profiler is active. The divergence check runs
+as on any backend other than gloo: a handshake per all-gather, judged on the device once a step.
 """
 
 from __future__ import annotations
