@@ -22,18 +22,16 @@ That is the gloo path; on other backends, where each host read is a sync with th
 all-gathers are handshaked by default and the handshakes are judged once per step without a
 read per collective (``handshake_ledger.py``); the all-reduce form below stays here for tests
 that force it onto gloo. On gloo, and on any group of at most ``ALL_REDUCE_FROM`` - 1 ranks,
-the handshake all-gathers the 32-byte entries. On larger groups it is one all-reduce (max) of
+the handshake all-gathers the 48-byte entries. On larger groups it is one all-reduce (max) of
 the entry and its negation, which gives every rank the largest and the smallest entry of each
 field (equal everywhere means all agree; otherwise every rank sees the same disagreement and
-all-gathers the entries, only then, to name them): 64 bytes whatever the world size, where the
+all-gathers the entries, only then, to name them): 96 bytes whatever the world size, where the
 all-gather grows with it. gloo is left out because its all-reduce of a few bytes takes about
 twice its all-gather's round trips (measured at 2 ranks: 0.85 to 1.4 ms against 0.26 to 0.52 ms).
 
 ``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers, and
-on gloo before reduce-scatters and HSDP's all-reduces across replicas too (no in-data tag: the
-handshake proves what it would);
-``strict`` handshake before reduce-scatters on every backend; ``tag`` the 16-byte tag inside
-each all-gather only (no extra collective, catches reordered groups of equal size); ``0`` none.
+on gloo covering reduce-scatters and HSDP's all-reduces across replicas too; ``strict`` adds
+the reduce-scatters on every backend; ``0`` none.
 
 A rank that stops altogether is reported by the others when the process group's timeout
 expires (``init_process_group(timeout=...)``), or as soon as its process exits (gloo reports
