@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime.divergence import CHECK_ENV, ExecutionOrderError
+from fsdp_compose.runtime.divergence import CHECK_ENV, ExecutionOrderError, check_mode
 from fsdp_compose.runtime.handshake import CollectiveError
 from tests.harness import run_on_ranks
 from tests.models import (
@@ -259,3 +259,13 @@ def test_checked_modes_train_exactly_like_checks_off():
     results = run_on_ranks(3, _train_in_modes)  # 3 ranks: uneven shards
     assert all(r["same_losses"] and r["same_params"] for r in results)
     assert_parity(results)
+
+
+def test_an_unknown_check_mode_is_refused(monkeypatch):
+    """Mode ``tag`` (an in-data tag without a handshake) is gone: a passed handshake proves what it checked."""
+    monkeypatch.setenv(CHECK_ENV, "tag")
+    with pytest.raises(ValueError) as caught:
+        check_mode()
+    assert_expected_inline(
+        str(caught.value), """FSDP_COMPOSE_CHECK_ORDER='tag': expected one of 1, strict, 0 (docs/schedule.md)"""
+    )
