@@ -28,7 +28,9 @@ class StorageTracker(TorchDispatchMode):
         self.peak = 0
         self._sizes: dict[int, int] = {}  # id(storage) -> bytes counted
         self._refs: dict[int, weakref.ref] = {}
-        self._lock = threading.Lock()
+        # reentrant: a storage's weakref callback (``_forget``) can run inside ``_add`` when an allocation
+        # there triggers the cyclic garbage collector, on the same thread
+        self._lock = threading.RLock()
         self._original_resize = None
 
     # ----- counting ---------------------------------------------------------------------

@@ -117,6 +117,7 @@ class _Exchange:
         waiting: list[Waiting] | None = None,
     ) -> None:
         self.waiting = waiting or []
+        self.uid, self.kind = uid, kind
         self.mine = torch.tensor([MAGIC, uid, kind, nbytes, *_digest(self.waiting)], dtype=torch.int64, device=device)
         self.reduce = reduce
         if reduce:
@@ -264,7 +265,7 @@ _DIGEST_MODULUS = (1 << 61) - 1
 def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
     received = exchange.received
     if exchange.describe is not describe:  # the failure message's builder, made once
-        exchange.describe, exchange.what = describe, partial(_what, exchange, describe)
+        exchange.describe, exchange.what = describe, partial(_what, exchange.uid, exchange.kind, describe)
     if exchange.reduce:
         received.copy_(exchange.expected)
     with python_free_tls():
@@ -294,8 +295,9 @@ def _entry_what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
     return f"the handshake before the {KINDS[kind]} of {describe(uid)}"
 
 
-def _what(exchange: _Exchange, describe: Callable[[int], str]) -> str:
-    _, uid, kind = exchange.mine.tolist()[:3]
+def _what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
+    """Names a handshake whose wait failed. Takes no exchange: an exchange holding a function that holds it
+    would be a reference cycle, whose tensors only the cyclic garbage collector frees."""
     if kind == ONLY_REDUCES:
         return "the handshake before the waiting reduce-scatters"
     return f"the handshake before the {KINDS[kind]} of {describe(uid)}"
