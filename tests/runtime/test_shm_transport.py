@@ -141,9 +141,11 @@ def _back_to_back(chunk: str):
     created = shm_transport.counters.segments_created
     original = shm_transport.ShmTransport._sync
 
+    delay = 0.002 if chunk else 0.02  # 1 KiB chunks sync some 600 times: a shorter lag keeps the test short
+
     def late_reader(self, *args):  # rank 0 reads each collective's segments late: the others run ahead
         result = original(self, *args)
-        time.sleep(0.02)
+        time.sleep(delay)
         return result
 
     if rank == 0:
