@@ -99,10 +99,7 @@ def make_runner(kind: str, base: GPT, args=None):
     def tracked_peak(batch_size: int) -> int:
         """Peak live tensor bytes of one step, counted by storage from what exists before it."""
         tracker = SegmentBlindTracker()
-        tracker.track(model.parameters())
-        tracker.track(model.buffers())
-        for opt_state in optimizer.state.values():
-            tracker.track(opt_state.values())
+        tracker.track_training_state(model, optimizer)
         with tracker:
             tracker.reset_peak()
             step(batch_size)

@@ -109,10 +109,7 @@ def measure(quantized: bool, args, rank: int) -> tuple[int, int, Counter, str]:
         step(i)
     tracker = LabelledTracker()
     tracker.label_next = "state before the step"
-    tracker.track(model.parameters())
-    tracker.track(model.buffers())
-    for opt_state in optimizer.state.values():
-        tracker.track(opt_state.values())
+    tracker.track_training_state(model, optimizer)
     with tracker:
         tracker.reset_peak()
         step(args.warmup)

@@ -39,6 +39,13 @@ class StorageTracker(TorchDispatchMode):
         for t in tensors:
             self._see(t)
 
+    def track_training_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Count what a training step starts from: the model's parameters and buffers, and the optimizer's state."""
+        self.track(model.parameters())
+        self.track(model.buffers())
+        for state in optimizer.state.values() if optimizer is not None else ():
+            self.track(state.values())
+
     def reset_peak(self) -> None:
         self.peak = self.current
 

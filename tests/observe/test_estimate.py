@@ -28,10 +28,7 @@ def _real_step(name: str) -> dict:
     optimizer.step()
     optimizer.zero_grad()
     tracker = StorageTracker()
-    tracker.track(model.parameters())
-    tracker.track(model.buffers())
-    for state in optimizer.state.values():
-        tracker.track(state.values())
+    tracker.track_training_state(model, optimizer)
     before = traffic(model)
     with tracker:
         tracker.reset_peak()

@@ -18,10 +18,7 @@ def _measure(config):
         opt.zero_grad()
     predicted = explain(model, opt).totals
     tracker = StorageTracker()
-    tracker.track(model.parameters())
-    tracker.track(model.buffers())
-    for state in opt.state.values():
-        tracker.track(state.values())
+    tracker.track_training_state(model, opt)
     start = counted_bytes(model)
     with tracker:
         tracker.reset_peak()
