@@ -57,6 +57,7 @@ from .divergence import (
     REDUCE_SCATTER,
     ExecutionOrderError,
     check_mode,
+    collective_text,
     diverged_message,
     entry_line,
 )
@@ -209,12 +210,7 @@ class Handshakes:
             if work is not None:
                 wait_named(work, partial(_entry_what, self.uid, kind, describe))
             return
-        waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
-        if waiting:
-            exchange = _Exchange(self.uid, kind, nbytes, group.size(), self.device, exchange.reduce, waiting)
-        run(exchange, group, describe)
-        for reduce in waiting or ():
-            reduce.issue()
+        self._run_covering(kind, nbytes, group, describe, exchange)
 
     def submit(self, kind: int, nbytes: int, group, describe: Callable[[int], str], issue: Callable[[], None]) -> None:
         """Run ``issue`` (which issues a collective of ``kind`` and ``nbytes`` on ``group``) once every rank
@@ -234,13 +230,18 @@ class Handshakes:
         group's backward begins and when backward ends, where no all-gather may follow on their group)."""
         waiting_by_group = self.ledgers.waiting
         while waiting_by_group:
-            group, waiting = next(iter(waiting_by_group.items()))
-            del waiting_by_group[group]
+            self._run_covering(ONLY_REDUCES, 0, next(iter(waiting_by_group)), describe)
+
+    def _run_covering(self, kind: int, nbytes: int, group, describe: Callable, cached: _Exchange | None = None) -> None:
+        """Run the handshake (``cached``, when no reduce-scatter waits on ``group``; else one that covers them),
+        then issue the reduce-scatters it covered."""
+        waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
+        if waiting or cached is None:
             world = group.size()
-            exchange = _Exchange(self.uid, ONLY_REDUCES, 0, world, self.device, uses_all_reduce(group, world), waiting)
-            run(exchange, group, describe)
-            for reduce in waiting:
-                reduce.issue()
+            cached = _Exchange(self.uid, kind, nbytes, world, self.device, uses_all_reduce(group, world), waiting)
+        run(cached, group, describe)
+        for reduce in waiting or ():
+            reduce.issue()
 
 
 class Waiting(NamedTuple):
@@ -321,12 +322,12 @@ def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, describe:
         if count:
             listed = waiting[i]
             pairs = list(zip(listed[1::2], listed[2::2]))[: min(count, NAMED_REDUCES)]
-            parts += [entry_line(rank, magic, u, REDUCE_SCATTER, b, describe).split(": ", 1)[1] for u, b in pairs]
+            parts += [collective_text(u, REDUCE_SCATTER, b, describe) for u, b in pairs]
             if count > NAMED_REDUCES:
                 parts.append(f"{count - NAMED_REDUCES} more reduce-scatters")
             kinds.append(REDUCE_SCATTER)
         if kind != ONLY_REDUCES:
-            parts.append(entry_line(rank, magic, uid, kind, nbytes, describe).split(": ", 1)[1])
+            parts.append(collective_text(uid, kind, nbytes, describe))
             kinds.append(kind)
         lines.append(f"  rank {rank}: " + ", then ".join(parts))
     raise ExecutionOrderError(diverged_message(lines, kinds))
