@@ -24,6 +24,7 @@ from .collectives import (
 from .comm_options import CommOptions
 from .divergence import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from .handshake import Handshakes, gloo_handshake_kinds, handshake_kinds
+from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
 from .post_forward_shard import PostForwardShard
 from .uids import new_uid
@@ -241,10 +242,10 @@ class ParamGroup:
                 dtype, params, nbytes, top = reduction.dtype, reduction.params, reduction.row_bytes, reduction.top
                 rows, present = [], []
                 for p in params:
-                    grad = p.unsharded_grad()
+                    grad = unsharded_grad(p)
                     present.append(grad is not None)
-                    rows.append(p.padded_grad_rows(grad, top))
-                    p.clear_unsharded_grad()
+                    rows.append(padded_grad_rows(p, grad, top))
+                    clear_unsharded_grad(p)
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
                 flags, tail = self._flag_rows(dtype, present, all_present, top, nbytes // dtype.itemsize)
@@ -329,7 +330,7 @@ class ParamGroup:
         offset = reduced.storage_offset()
         for i, p in enumerate(params):
             if received is None or received[i] > 0:  # this rank's shard, shaped (one view op)
-                p.accumulate_grad(reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
+                accumulate_grad(p, reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
             offset += p.padded_numel
 
     def _reads_flags(self, group) -> bool:
@@ -373,7 +374,7 @@ class ParamGroup:
         self.reshard()
         self._kept = None
         for p in self.params:
-            p.clear_unsharded_grad()
+            clear_unsharded_grad(p)
 
 
 def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> None:

@@ -1,41 +1,18 @@
 """Before each collective, ranks agree on which one they are about to run.
 
 gloo cannot report a collective whose ranks disagree: buffers of different sizes abort the
-process inside gloo ("op.preamble.length <= op.nbytes"), and different collectives hang. So,
-by default, on gloo every all-gather and every reduce-scatter is agreed on by a handshake
-on (magic, group id, kind, bytes, and the reduce-scatters it covers); if any rank's entry differs,
-every rank raises the same ``ExecutionOrderError`` naming what each rank was about to run, before
-the real collectives are issued. A reduce-scatter waits for the next handshake on its process
-group (in backward, the next block's all-gather; else one when a group's backward begins or when
-backward ends, ``Handshakes.flush``), which covers it by a count and a digest and issues it first:
-one synchronisation point per block rather than two. With every collective of a step guarded,
-the first one where ranks differ is always a pair of handshakes (equal 48-byte all-gathers), so
-no divergence reaches gloo's abort: a rank
-that skipped a sharded module, ran a different number of forward calls, gathered a different
-group of any size, skipped or repeated ``backward()``, ran a different number of micro-batches
-without gradient sync, or whose module left some parameters without a gradient this step (it
-reduces that module only when backward ends, out of order with the other ranks). What no
-handshake can tell: a rank that runs one more whole step (or synced micro-batch) than the others
-issues the same collectives as their next step, so nothing differs until the others stop.
-
-That is the gloo path; on other backends, where each host read is a sync with the device, only
-all-gathers are handshaked by default and the handshakes are judged once per step without a
-read per collective (``handshake_ledger.py``); the all-reduce form below stays here for tests
-that force it onto gloo. On gloo, and on any group of at most ``ALL_REDUCE_FROM`` - 1 ranks,
-the handshake all-gathers the 48-byte entries. On larger groups it is one all-reduce (max) of
-the entry and its negation, which gives every rank the largest and the smallest entry of each
-field (equal everywhere means all agree; otherwise every rank sees the same disagreement and
-all-gathers the entries, only then, to name them): 96 bytes whatever the world size, where the
-all-gather grows with it. gloo is left out because its all-reduce of a few bytes takes about
-twice its all-gather's round trips (measured at 2 ranks: 0.85 to 1.4 ms against 0.26 to 0.52 ms).
-
-``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default) handshake before all-gathers, and
-on gloo covering reduce-scatters and HSDP's all-reduces across replicas too; ``strict`` adds
-the reduce-scatters on every backend; ``0`` none.
-
-A rank that stops altogether is reported by the others when the process group's timeout
-expires (``init_process_group(timeout=...)``), or as soon as its process exits (gloo reports
-the closed connection): ``CollectiveError`` names the collective and group they waited for.
+process inside gloo, and different collectives hang. So on gloo every all-gather and reduce-scatter
+(and HSDP's all-reduce) is agreed on first: ranks exchange a 48-byte entry (magic, group id, kind,
+bytes, and the reduce-scatters it covers) and, if any differs, every rank raises the same
+``ExecutionOrderError`` naming what each was about to run, before the real collective is issued.
+A reduce-scatter waits for the next handshake on its process group, which covers it by a count
+and a digest and issues it first: one synchronisation point per block, not two. On other backends,
+where a host read is a device sync, only all-gathers are handshaked and judged once per step
+(``handshake_ledger.py``); there, groups of ``ALL_REDUCE_FROM`` ranks or more use one all-reduce
+(max) of the entry and its negation, fixed in size, rather than an all-gather.
+``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default), ``strict`` (reduce-scatters on every
+backend too) or ``0``. docs/schedule.md lists what is caught and the one case no handshake can
+tell; a rank that stops altogether is reported as a ``CollectiveError`` naming the collective.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
 from .extensions import GatherExtension, check_subclass, has_protocol, is_wrapper_subclass, shard_subclass
-from .param_layout import ParamLayout, ParamPlace, alias, contiguous_strides, grad_in_layout, like_sharded, spmd_layout
+from .param_layout import ParamLayout, ParamPlace, alias, contiguous_strides, spmd_layout
 from .quantized_gather import BlockQuantized, wire_format_of
 
 
@@ -114,8 +114,8 @@ class ShardedParam:
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
-        # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (see stash_grad)
-        self._accumulated_grad: torch.Tensor | None = None
+        # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (``param_grad.stash_grad``)
+        self.accumulated_grad: torch.Tensor | None = None
         # the all-gather extension protocol, for a local shard that implements it (``extensions.py``)
         self.extension: GatherExtension | None = None
         self._plain_source: torch.Tensor | None = None  # a local shard known not to implement it
@@ -179,7 +179,7 @@ class ShardedParam:
         self._gather_storage = None
         self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
         self._pieces_source, self._pieces = None, []
-        self._accumulated_grad = None
+        self.accumulated_grad = None
         self.extension, self._plain_source = None, None
 
     def gather_pieces(self) -> list[torch.Tensor]:
@@ -340,85 +340,8 @@ class ShardedParam:
             return 0
         return self._gather_target.untyped_storage().nbytes()
 
-    def _autograd_grad(self) -> torch.Tensor | None:
-        grad = self.unsharded_param.grad if self.unsharded_param is not None else None
-        if grad is None or type(grad) is torch.Tensor:
-            return grad
-        if isinstance(grad, DTensor):
-            return grad_in_layout(grad, self.tp_spec, self.dp_dims)
-        if is_wrapper_subclass(grad):  # a subclass parameter's gradient is reduced as a plain tensor
-            plain = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-            with torch.no_grad():
-                plain.copy_(grad)
-            return plain
-        return grad
-
-    def unsharded_grad(self) -> torch.Tensor | None:
-        """The unsharded gradient to reduce (TP-local under TP): this backward's plus any
-        gradient stashed by earlier no-sync micro-batches."""
-        grad = self._autograd_grad()
-        accumulated = self._accumulated_grad
-        if accumulated is None:
-            return grad
-        if grad is not None:
-            accumulated.add_(grad.reshape(accumulated.shape))
-        return accumulated
-
-    def stash_grad(self) -> None:
-        """After a no-sync backward: move a low-precision unsharded gradient into an accumulator
-        in the reduce dtype, so micro-batches sum in (say) fp32 rather than in bf16.
-
-        A gradient already in the reduce dtype stays on the parameter; autograd adds to it.
-        """
-        grad = self._autograd_grad()
-        if grad is None or grad.dtype == self.layout.reduce_dtype:
-            return
-        with torch.no_grad():
-            if self._accumulated_grad is None:
-                self._accumulated_grad = grad.to(self.layout.reduce_dtype)
-            else:
-                self._accumulated_grad.add_(grad)
-        self.unsharded_param.grad = None
-
-    def clear_unsharded_grad(self) -> None:
-        if self.unsharded_param is not None:
-            self.unsharded_param.grad = None
-        self._accumulated_grad = None
-
     def use(self, unsharded: bool) -> None:
         """Register the sharded or the unsharded parameter everywhere it lives."""
         param = self.unsharded_param if unsharded else self.sharded_param
         for place in self.places:
             place.module._parameters[place.name] = param
-
-    # ----- gradients --------------------------------------------------------------------
-    def padded_grad_rows(self, grad: torch.Tensor | None, ranks: int | None = None) -> torch.Tensor:
-        """The unsharded gradient as (ranks, padded_numel) in the reduce dtype, zero-filled as needed.
-
-        ``ranks`` (at least ``data_ranks``; the world size by default) leaves out the rows of
-        later ranks, which are padding only: the caller fills those."""
-        dtype = self.layout.reduce_dtype
-        ranks = self.world_size if ranks is None else ranks
-        if grad is None:
-            return torch.zeros(ranks, self.padded_numel, dtype=dtype, device=self.layout.compute_device)
-        missing = ranks * self.padded_numel - grad.numel()
-        if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
-            return grad.reshape(ranks, self.padded_numel)
-        flat = grad.reshape(-1).to(dtype)
-        if missing:
-            flat = torch.cat([flat, flat.new_zeros(missing)])
-        return flat.view(ranks, self.padded_numel)
-
-    def accumulate_grad(self, local_grad: torch.Tensor) -> None:
-        """Add this rank's reduced gradient shard into the sharded ``.grad`` (own dtype and device)."""
-        if local_grad.shape != self.local_shape:
-            local_grad = local_grad.view(self.local_shape)
-        current = self.sharded_param.grad
-        if current is None:
-            if local_grad.dtype != self.dtype or local_grad.device != self.layout.storage_device:
-                local_grad = local_grad.to(self.layout.storage_device, self.dtype, non_blocking=True)
-            if self.layout.pin_memory:
-                local_grad = local_grad.pin_memory()
-            self.sharded_param.grad = like_sharded(self.sharded_param, local_grad)
-        else:
-            current._local_tensor.add_(local_grad.to(current._local_tensor.device))

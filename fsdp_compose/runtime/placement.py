@@ -98,13 +98,6 @@ class DimShardedParam(ShardedParam):
             return 0
         return super().unsharded_nbytes() + self._unsharded_data.untyped_storage().nbytes()
 
-    # ----- gradients ---------------------------------------------------------------------
-    def padded_grad_rows(self, grad: torch.Tensor | None, ranks: int | None = None) -> torch.Tensor:
-        return super().padded_grad_rows(None if grad is None else self.to_comm(grad), ranks)
-
-    def accumulate_grad(self, local_grad: torch.Tensor) -> None:
-        super().accumulate_grad(self.from_comm(local_grad.view(self.comm_local_shape)).contiguous())
-
 
 def make_sharded_param(shard_dim: int, *args, **kwargs) -> ShardedParam:
     """A ``ShardedParam`` for dim 0, a ``DimShardedParam`` otherwise."""

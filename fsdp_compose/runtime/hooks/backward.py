@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 
+from ..param_grad import stash_grad
 from ..schedule import backward_prefetch_targets, end_backward, unshard_with_prefetch
 from ..state import GroupState, RootState
 
@@ -68,7 +69,7 @@ def post_backward(state: GroupState) -> None:
         group.start_reduce(all_reduce=state.requires_all_reduce, then=partial(_bound_reductions, state))
     elif group.trainable:  # no-sync micro-batch: keep summing in the reduce dtype
         for p in group.trainable:
-            p.stash_grad()
+            stash_grad(p)
 
 
 def _bound_reductions(state: GroupState) -> None:

@@ -1,0 +1,100 @@
+"""One managed parameter's gradient path: autograd's unsharded ``.grad`` in, the sharded ``.grad`` out.
+
+Apart from ``params.py`` (where a parameter's values live) because gradients follow their own
+rules: no-sync micro-batches sum in the reduce dtype, a rank without a gradient sends zero rows,
+and a ``Shard(d)`` gradient is moved to dim-0 layout for the collective and back after it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .extensions import is_wrapper_subclass
+from .param_layout import grad_in_layout, like_sharded
+from .params import ShardedParam
+
+
+def _autograd_grad(p: ShardedParam) -> torch.Tensor | None:
+    grad = p.unsharded_param.grad if p.unsharded_param is not None else None
+    if grad is None or type(grad) is torch.Tensor:
+        return grad
+    if isinstance(grad, DTensor):
+        return grad_in_layout(grad, p.tp_spec, p.dp_dims)
+    if is_wrapper_subclass(grad):  # a subclass parameter's gradient is reduced as a plain tensor
+        plain = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+        with torch.no_grad():
+            plain.copy_(grad)
+        return plain
+    return grad
+
+
+def unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
+    """The unsharded gradient to reduce (TP-local under TP): this backward's plus any gradient
+    stashed by earlier no-sync micro-batches."""
+    grad = _autograd_grad(p)
+    accumulated = p.accumulated_grad
+    if accumulated is None:
+        return grad
+    if grad is not None:
+        accumulated.add_(grad.reshape(accumulated.shape))
+    return accumulated
+
+
+def stash_grad(p: ShardedParam) -> None:
+    """After a no-sync backward: move a low-precision unsharded gradient into an accumulator in
+    the reduce dtype, so micro-batches sum in (say) fp32 rather than in bf16. A gradient already
+    in the reduce dtype stays on the parameter; autograd adds to it."""
+    grad = _autograd_grad(p)
+    if grad is None or grad.dtype == p.layout.reduce_dtype:
+        return
+    with torch.no_grad():
+        if p.accumulated_grad is None:
+            p.accumulated_grad = grad.to(p.layout.reduce_dtype)
+        else:
+            p.accumulated_grad.add_(grad)
+    p.unsharded_param.grad = None
+
+
+def clear_unsharded_grad(p: ShardedParam) -> None:
+    if p.unsharded_param is not None:
+        p.unsharded_param.grad = None
+    p.accumulated_grad = None
+
+
+def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None, ranks: int | None = None) -> torch.Tensor:
+    """The unsharded gradient as (ranks, padded_numel) in the reduce dtype, zero-filled as needed.
+
+    ``ranks`` (at least ``data_ranks``; the world size by default) leaves out the rows of later
+    ranks, which are padding only: the caller fills those."""
+    dtype = p.layout.reduce_dtype
+    ranks = p.world_size if ranks is None else ranks
+    if grad is None:
+        return torch.zeros(ranks, p.padded_numel, dtype=dtype, device=p.layout.compute_device)
+    if p.shard_dim:
+        grad = p.to_comm(grad)
+    missing = ranks * p.padded_numel - grad.numel()
+    if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
+        return grad.reshape(ranks, p.padded_numel)
+    flat = grad.reshape(-1).to(dtype)
+    if missing:
+        flat = torch.cat([flat, flat.new_zeros(missing)])
+    return flat.view(ranks, p.padded_numel)
+
+
+def accumulate_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
+    """Add this rank's reduced gradient shard (laid out for the collective: ``comm_local_shape``)
+    into the sharded ``.grad``, in the parameter's own dtype and on its storage device."""
+    if p.shard_dim:
+        local_grad = p.from_comm(local_grad).contiguous()
+    elif local_grad.shape != p.local_shape:
+        local_grad = local_grad.view(p.local_shape)
+    current = p.sharded_param.grad
+    if current is None:
+        if local_grad.dtype != p.dtype or local_grad.device != p.layout.storage_device:
+            local_grad = local_grad.to(p.layout.storage_device, p.dtype, non_blocking=True)
+        if p.layout.pin_memory:
+            local_grad = local_grad.pin_memory()
+        p.sharded_param.grad = like_sharded(p.sharded_param, local_grad)
+    else:
+        current._local_tensor.add_(local_grad.to(current._local_tensor.device))
