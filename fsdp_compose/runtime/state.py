@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 from torch import nn
 
@@ -14,6 +15,21 @@ from ..policies import MixedPrecisionPolicy
 from .group import ParamGroup
 from .handshake_ledger import Ledgers
 from .uids import rank_key
+
+
+class StepPhase(IntEnum):
+    """How far one group is in this step; back to ``IDLE`` when the root's backward ends.
+
+    Phases only move forward within a step: a group's post-backward waits for every use of its
+    forward to finish backward, so no pre-backward of this step can follow it."""
+
+    IDLE = 0
+    FORWARD = 1  # ran a forward with grad enabled: a backward will follow
+    PRE_BACKWARD = 2  # its parameters were unsharded for backward
+    POST_BACKWARD = 3  # its gradients were reduced (or stashed, without sync) and it resharded
+
+
+IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = StepPhase  # plain names for the hooks' hot path
 
 
 @dataclass(eq=False)
@@ -40,10 +56,8 @@ class GroupState:
     forward_prefetch: list[GroupState] | None = None
     backward_prefetch: list[GroupState] | None = None
     # per step, reset by the root's end-of-backward callback
-    ran_forward_with_grad: bool = False
-    pre_backward_done: bool = False
-    post_backward_done: bool = False
-    inputs_pending: int = 0
+    phase: StepPhase = IDLE
+    inputs_pending: int = 0  # forward uses whose inputs' gradients backward has not reached yet
     grads_ready: set[int] = field(default_factory=set)
 
     @property
@@ -59,9 +73,7 @@ class GroupState:
         return bool(self.reshard_after_forward) and (self.reshard_after_forward_chosen or not is_root)
 
     def reset_backward(self) -> None:
-        self.ran_forward_with_grad = False
-        self.pre_backward_done = False
-        self.post_backward_done = False
+        self.phase = IDLE
         self.inputs_pending = 0
         self.grads_ready.clear()
 

@@ -16,7 +16,7 @@ import torch
 
 from ..param_grad import stash_grad
 from ..schedule import backward_prefetch_targets, end_backward, unshard_with_prefetch
-from ..state import GroupState, RootState
+from ..state import IDLE, POST_BACKWARD, PRE_BACKWARD, GroupState, RootState
 
 
 def queue_end_of_backward(root: RootState) -> None:
@@ -29,9 +29,9 @@ def queue_end_of_backward(root: RootState) -> None:
 def pre_backward(state: GroupState) -> None:
     root = state.root
     queue_end_of_backward(root)
-    if state.pre_backward_done:
+    if state.phase >= PRE_BACKWARD:
         return
-    state.pre_backward_done = True
+    state.phase = PRE_BACKWARD
     targets = [t for t in backward_prefetch_targets(root, state) if t.unshard_in_backward]
     if state.unshard_in_backward:
         unshard_with_prefetch(state, targets)
@@ -50,7 +50,7 @@ def on_grad_accumulated(state: GroupState, index: int) -> None:
 
 
 def maybe_post_backward(state: GroupState) -> None:
-    if state.post_backward_done or state.inputs_pending > 0:
+    if state.phase == POST_BACKWARD or state.inputs_pending > 0:
         return
     if len(state.grads_ready) < len(state.group.trainable):
         return
@@ -59,9 +59,9 @@ def maybe_post_backward(state: GroupState) -> None:
 
 def post_backward(state: GroupState) -> None:
     """Reduce-scatter the group's gradients (or keep them, without sync), then reshard."""
-    if state.post_backward_done:
+    if state.phase == POST_BACKWARD:
         return
-    state.post_backward_done = True
+    state.phase = POST_BACKWARD
     group = state.group
     if state.reshard_after_backward:  # the gradients are separate tensors: free the parameters first
         group.reshard()
@@ -90,8 +90,8 @@ def flush_reduces(root: RootState) -> None:
 def end_of_backward(root: RootState) -> None:
     """Finish the groups backward left open, wait for reductions, reset for the next step."""
     for state in root.states:
-        participated = state.ran_forward_with_grad or state.pre_backward_done or state.grads_ready
-        if participated and not state.post_backward_done:
+        participated = state.phase != IDLE or state.grads_ready
+        if participated and state.phase != POST_BACKWARD:
             post_backward(state)
         elif state.group.is_unsharded and state.reshard_after_backward:
             state.group.reshard()

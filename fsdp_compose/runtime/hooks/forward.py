@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..output_tensors import is_tensor_leaf, output_tensors
 from ..refresh import follow_module
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward, unshard_with_prefetch
-from ..state import GroupState, RootState, class_name, states_in
+from ..state import FORWARD, IDLE, GroupState, RootState, class_name, states_in
 from .backward import maybe_post_backward, pre_backward
 from .not_traced import not_traced
 
@@ -148,7 +148,8 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
     record_pre_forward(root, state)
     unshard_with_prefetch(state, forward_prefetch_targets(root, state))
     if torch.is_grad_enabled():
-        state.ran_forward_with_grad = True
+        if state.phase == IDLE:
+            state.phase = FORWARD
         args, kwargs = attach_post_backward_signal(state, args, kwargs)
     return args, kwargs
 
