@@ -13,6 +13,7 @@ from torch.distributed.tensor import Shard
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
+from .runtime.comm_options import CommOptions
 from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
@@ -262,19 +263,21 @@ def fully_shard(
     for param in places:
         fqn = names[param]
         shard_dim = resolve_shard_dim(shard_placement_fn, param, fqn, class_name(module))
-        spmd = None
+        spmd, dp_dims = None, frozenset()
         if spmd_mesh is not None:
             spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
+            dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
         layout = resolve_layout(param.dtype, device, mp_policy, offload_policy)
-        sp = make_sharded_param(shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd, mp_policy=mp_policy)
-        if spmd_mesh is not None:
-            sp.dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
-        sharded.append(sp)
+        sharded.append(
+            make_sharded_param(
+                shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd, dp_dims=dp_dims, mp_policy=mp_policy
+            )
+        )
 
     # Nothing above changed the model; from here on, commit.
-    group = ParamGroup(sharded, mesh, device, label=class_name(module))
-    group.describe = describe_group
-    group.comm.all_gather, group.comm.reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
+    all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
+    comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
+    group = ParamGroup(sharded, mesh, device, class_name(module), describe_group, comm)
     if post_forward_ranks is not None and reshard_after_forward:
         group.set_post_forward_ranks(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
     state = GroupState(

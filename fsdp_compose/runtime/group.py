@@ -52,10 +52,18 @@ class Reduction:
 class ParamGroup:
     """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
 
-    def __init__(self, params: list[ShardedParam], mesh: DeviceMesh, device: torch.device, label: str) -> None:
+    def __init__(
+        self,
+        params: list[ShardedParam],
+        mesh: DeviceMesh,
+        device: torch.device,
+        label: str,
+        describe: Callable[[int], str],
+        comm: CommOptions,
+    ) -> None:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
-        self.describe: Callable[[int], str] = lambda uid: f"<group {uid}>"
+        self.describe = describe  # names any group by its uid (divergence messages name other ranks' groups)
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device, gloo_handshake_kinds())
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
@@ -84,7 +92,7 @@ class ParamGroup:
         self.is_unsharded = False
         self.pending_unshard: PendingCollective | None = None
         self.pending_reduces: list[PendingCollective] = []
-        self.comm = CommOptions()
+        self.comm = comm
 
     def follow_local_devices(self) -> None:
         """Re-read the device after deferred initialization materialized the shards."""

@@ -40,6 +40,7 @@ class ShardedParam:
         layout: ParamLayout,
         shard_dim: int = 0,
         spmd: tuple[DeviceMesh, list[Placement]] | None = None,
+        dp_dims: frozenset[int] = frozenset(),
         mp_policy=None,
     ) -> None:
         if param.dim() == 0:
@@ -54,7 +55,7 @@ class ShardedParam:
         # tensor parallel: the TP-local tensor is what gets sharded and gathered here
         self.tp_spec = param._spec if isinstance(param, DTensor) else None
         # mesh dims of ``tp_spec`` that are data parallel (``dp_mesh_dims``): gradients keep their layout there
-        self.dp_dims: frozenset[int] = frozenset()
+        self.dp_dims = dp_dims
         source = param._local_tensor if self.tp_spec is not None else param
         if spmd is None:
             spmd = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn, shard_dim)
