@@ -8,7 +8,7 @@ With the fake backend every collective returns at once, so a step's time is comp
 tensors plus the library's own bookkeeping; the compute-only figure (same model, no sharding)
 is subtracted to get the overhead. The last line prices the profiler labels
 (``fsdp_compose::all_gather blocks.3``...) when no profiler is active. The divergence check runs
-as on any backend other than gloo: a handshake per all-gather, judged on the device once a step.
+as on any backend other than gloo: each all-gather logged on the host, one all-reduce judging a step.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import argparse
 import os
 import sys
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -70,45 +69,12 @@ def stepper(model, x: torch.Tensor):
 
     return run
 
-@contextmanager
-def handshake_on(backend: str):
-    """Let our handshake pass on the null backend, which leaves every output as it was.
-
-    On a backend other than gloo each handshake's collective writes a row of a ledger judged
-    when backward ends (runtime/handshake_ledger.py). torch's fake all-gather writes this rank's
-    input into every rank's slot, so the rows agree; on the null backend the row keeps what it
-    held, so the all-gather form (groups of up to 8 ranks) gets it set to the expected entries
-    (one 32-bytes-per-rank copy, as the all-reduce form does every time; that form needs nothing:
-    it fills its row with this rank's entry itself)."""
-    from fsdp_compose.runtime.handshake_ledger import Ledger
-
-    original = Ledger.record
-    if backend == null_backend.NAME:
-
-        def prefilled(ledger, entry, describe):
-            work = original(ledger, entry, describe)
-            if ledger.gathers:
-                ledger.rows[ledger.current][ledger.used - 1].copy_(entry.mine.repeat(ledger.world))
-            return work
-
-        Ledger.record = prefilled
-    try:
-        yield
-    finally:
-        Ledger.record = original
-
-
 def measure(world_size: int, groups: int, args, kinds, with_label_cost: bool = False, backend: str = "fake") -> dict:
     """Best-of-rounds median step time of each kind, on a fresh ``backend`` process group of
     ``world_size`` (torch's "fake" one, or the O(1) "null" one of null_backend.py).
 
     ``with_label_cost`` adds the price of the profiler labels, as a line, under "labels".
     On the null backend, "calls" holds each kind's collectives per step, as the backend counted them."""
-    with handshake_on(backend):
-        return _measure(world_size, groups, args, kinds, with_label_cost, backend)
-
-
-def _measure(world_size: int, groups: int, args, kinds, with_label_cost: bool, backend: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 

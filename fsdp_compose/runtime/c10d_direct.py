@@ -22,11 +22,29 @@ docs/troubleshooting.md).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
+
+
+class CollectiveError(RuntimeError):
+    """A collective of a sharded module failed or timed out; names the group it was for."""
+
+
+def wait_named(work, what: str | Callable[[], str]) -> None:
+    """``work.wait()``, re-raising a failure (e.g. the process group's timeout) naming ``what``
+    (a string, or a function that builds it only on failure)."""
+    try:
+        work.wait()
+    except RuntimeError as error:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        what = what if isinstance(what, str) else what()
+        raise CollectiveError(
+            f"rank {rank}: {what} failed; another rank stopped, crashed or ran something else "
+            f"(the wait is bounded by init_process_group(timeout=...)): {error}"
+        ) from error
 
 
 def _options(cls, **values):

@@ -26,8 +26,7 @@ import torch
 import torch.autograd.profiler as _autograd_profiler
 import torch.distributed as dist
 
-from .c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER, python_free_tls
-from .handshake import wait_named
+from .c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER, python_free_tls, wait_named
 
 
 @dataclass

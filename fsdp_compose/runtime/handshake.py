@@ -7,9 +7,8 @@ bytes, and the reduce-scatters it covers) and, if any differs, every rank raises
 ``ExecutionOrderError`` naming what each was about to run, before the real collective is issued.
 A reduce-scatter waits for the next handshake on its process group, which covers it by a count
 and a digest and issues it first: one synchronisation point per block, not two. On other backends,
-where a host read is a device sync, only all-gathers are handshaked and judged once per step
-(``handshake_ledger.py``); there, groups of ``ALL_REDUCE_FROM`` ranks or more use one all-reduce
-(max) of the entry and its negation, fixed in size, rather than an all-gather.
+where a host read is a device sync, only all-gathers are handshaked: logged on the host and agreed
+on by one collective per step (``handshake_ledger.py``).
 ``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default), ``strict`` (reduce-scatters on every
 backend too) or ``0``. docs/schedule.md lists what is caught and the one case no handshake can
 tell; a rank that stops altogether is reported as a ``CollectiveError`` naming the collective.
@@ -24,7 +23,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-from .c10d_direct import ASYNC_ALL_GATHER, ASYNC_MAX_ALL_REDUCE, python_free_tls
+from .c10d_direct import ASYNC_ALL_GATHER, python_free_tls, wait_named
 from .divergence import (
     ALL_GATHER,
     ALL_REDUCE,
@@ -42,10 +41,6 @@ from .handshake_ledger import Entry, Ledgers
 
 FIELDS = 6  # magic, group id, kind, bytes, then the waiting reduce-scatters: how many, and their digest
 NAMED_REDUCES = 8  # waiting reduce-scatters an error names per rank
-
-
-class CollectiveError(RuntimeError):
-    """A collective of a sharded module failed or timed out; names the group it was for."""
 
 
 def handshake_kinds() -> frozenset[int]:
@@ -66,44 +61,20 @@ def gloo_handshake_kinds() -> frozenset[int]:
     return frozenset() if check_mode() == "0" else frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
-ALL_REDUCE_FROM = 9  # ranks from which a non-gloo group's handshake is an all-reduce
-
-
-def uses_all_reduce(group, world: int) -> bool:
-    """Whether the handshake on ``group`` is the fixed-size all-reduce (see the module docstring)."""
-    return world >= ALL_REDUCE_FROM and dist.get_backend(group) != "gloo"
-
-
 class _Exchange:
-    """The tensors of one recurring handshake, built once and reused every step.
-
-    All-gather: this rank's entry, where the rows land, what they must equal. All-reduce: the
-    entry and its negation (the result must equal them: max == this entry and max of the
-    negations == -this entry, i.e. min == this entry), and a buffer the all-reduce overwrites.
-    Either way a handshake is one collective, one wait and one comparison (plus a copy to
-    reset the all-reduce's buffer). On the CPU the comparison is of bytes, through a numpy view
-    of the received tensor kept with it: no tensor op (``torch.equal`` costs a dispatch)."""
+    """The tensors of one recurring gloo handshake, built once and reused every step: this rank's
+    entry, where the all-gathered rows land, what they must equal. One collective, one wait and one
+    comparison; on the CPU the comparison is of bytes, through a numpy view of the received tensor
+    kept with it: no tensor op (``torch.equal`` costs a dispatch)."""
 
     def __init__(
-        self,
-        uid: int,
-        kind: int,
-        nbytes: int,
-        world: int,
-        device: torch.device,
-        reduce: bool,
-        waiting: list[Waiting] | None = None,
+        self, uid: int, kind: int, nbytes: int, world: int, device: torch.device, waiting: list[Waiting] | None = None
     ) -> None:
         self.waiting = waiting or []
         self.uid, self.kind = uid, kind
         self.mine = torch.tensor([MAGIC, uid, kind, nbytes, *_digest(self.waiting)], dtype=torch.int64, device=device)
-        self.reduce = reduce
-        if reduce:
-            self.expected = torch.cat([self.mine, -self.mine])
-            self.received = torch.empty_like(self.expected)
-        else:
-            self.expected = self.mine.repeat(world)
-            self.received = self.mine.new_empty(world * FIELDS)
+        self.expected = self.mine.repeat(world)
+        self.received = self.mine.new_empty(world * FIELDS)
         on_cpu = device.type == "cpu"
         self.received_array = self.received.numpy() if on_cpu else None  # shares the tensor's memory
         self.expected_bytes = self.expected.numpy().tobytes() if on_cpu else None
@@ -125,12 +96,9 @@ class Handshakes:
     before the collective it precedes (``run``); on other backends it goes into its process
     group's ledger in ``ledgers`` (the root's, shared by the model's groups), judged once a
     round without a host read per collective (``handshake_ledger.py``). The backend is looked
-    up once per (kind, bytes, process group).
-
-    The process group is called directly (``ProcessGroup.all_gather_single`` or ``allreduce``,
-    what ``torch.distributed``'s functions call after their argument checks): that skips about 10 µs
-    of Python per handshake, and keeps the handshake out of anything that wraps ``dist``'s
-    functions to count data collectives.
+    up once per (kind, bytes, process group). The process group is called directly, like the
+    runtime's other collectives (``c10d_direct.py``): tests counting data collectives by wrapping
+    ``torch.distributed``'s functions never see a handshake.
     """
 
     def __init__(
@@ -168,9 +136,9 @@ class Handshakes:
             if kind not in self.checked or world <= 1 or kind not in (self.gloo_kinds if gloo else self.kinds):
                 exchange = None
             elif gloo:
-                exchange = _Exchange(self.uid, kind, nbytes, world, self.device, uses_all_reduce(group, world))
+                exchange = _Exchange(self.uid, kind, nbytes, world, self.device)
             else:
-                exchange = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, self.device), self.device)
+                exchange = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, self.device))
             self._exchanges[key] = exchange
         return group, exchange
 
@@ -183,9 +151,7 @@ class Handshakes:
         if exchange is None:
             return
         if type(exchange) is Entry:
-            work = exchange.ledger.record(exchange, describe)
-            if work is not None:
-                wait_named(work, partial(_entry_what, self.uid, kind, describe))
+            exchange.ledger.record(exchange, describe)
             return
         self._run_covering(kind, nbytes, group, describe, exchange)
 
@@ -214,8 +180,7 @@ class Handshakes:
         then issue the reduce-scatters it covered."""
         waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
         if waiting or cached is None:
-            world = group.size()
-            cached = _Exchange(self.uid, kind, nbytes, world, self.device, uses_all_reduce(group, world), waiting)
+            cached = _Exchange(self.uid, kind, nbytes, group.size(), self.device, waiting)
         run(cached, group, describe)
         for reduce in waiting or ():
             reduce.issue()
@@ -244,21 +209,12 @@ def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
     received = exchange.received
     if exchange.describe is not describe:  # the failure message's builder, made once
         exchange.describe, exchange.what = describe, partial(_what, exchange.uid, exchange.kind, describe)
-    if exchange.reduce:
-        received.copy_(exchange.expected)
     with python_free_tls():
-        if exchange.reduce:
-            work = group.allreduce([received], ASYNC_MAX_ALL_REDUCE)
-        else:
-            work = group.all_gather_single(received, exchange.mine, ASYNC_ALL_GATHER)
+        work = group.all_gather_single(received, exchange.mine, ASYNC_ALL_GATHER)
     if work is not None:
         wait_named(work, exchange.what)
-    if exchange.agreed():
-        return
-    rows = received
-    if exchange.reduce:  # every rank got the same maxima, so every rank is here: gather the entries to name them
-        rows = _gather(exchange.mine, group, exchange.what)
-    _raise_diverged(exchange, rows.view(-1, FIELDS).tolist(), group, describe)
+    if not exchange.agreed():
+        _raise_diverged(exchange, received.view(-1, FIELDS).tolist(), group, describe)
 
 
 def _gather(mine: torch.Tensor, group, what: Callable[[], str]) -> torch.Tensor:
@@ -267,10 +223,6 @@ def _gather(mine: torch.Tensor, group, what: Callable[[], str]) -> torch.Tensor:
         work = group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
     wait_named(work, what)
     return rows
-
-
-def _entry_what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
-    return f"the handshake before the {KINDS[kind]} of {describe(uid)}"
 
 
 def _what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
@@ -308,17 +260,3 @@ def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, describe:
             kinds.append(kind)
         lines.append(f"  rank {rank}: " + ", then ".join(parts))
     raise ExecutionOrderError(diverged_message(lines, kinds))
-
-
-def wait_named(work, what: str | Callable[[], str]) -> None:
-    """``work.wait()``, re-raising a failure (e.g. the process group's timeout) naming ``what``
-    (a string, or a function that builds it only on failure)."""
-    try:
-        work.wait()
-    except RuntimeError as error:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        what = what if isinstance(what, str) else what()
-        raise CollectiveError(
-            f"rank {rank}: {what} failed; another rank stopped, crashed or ran something else "
-            f"(the wait is bounded by init_process_group(timeout=...)): {error}"
-        ) from error

@@ -33,9 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime import c10d_direct as direct
-from ..runtime.c10d_direct import python_free_tls
-from ..runtime.divergence import KINDS, MAGIC, ExecutionOrderError, diverged_message
-from ..runtime.handshake import ALL_GATHER, REDUCE_SCATTER, wait_named
+from ..runtime.divergence import ALL_GATHER, KINDS, MAGIC, REDUCE_SCATTER, ExecutionOrderError, diverged_message
 
 TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
 CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
@@ -191,10 +189,10 @@ class ShmTransport:
     def _gather(self, rows: torch.Tensor, mine: torch.Tensor, kind: int) -> None:
         counters.syncs += 1
         try:
-            with python_free_tls():
+            with direct.python_free_tls():
                 work = self.group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
             if work is not None:
-                wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
+                direct.wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
             self._abandon()
             raise
@@ -334,10 +332,10 @@ def _set_up(group) -> ShmTransport | None:
         dtype=torch.int64,
     )
     rows = mine.new_empty(group.size() * 5)
-    with python_free_tls():
+    with direct.python_free_tls():
         work = group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
     if work is not None:
-        wait_named(work, f"the shared-memory transport's set-up over ranks {dist.get_process_group_ranks(group)}")
+        direct.wait_named(work, f"the shm transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()
     counters.set_ups += 1
     if all(row[1] == table[0][1] and row[3] == 1 for row in table):

@@ -30,8 +30,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
+from fsdp_compose.runtime.c10d_direct import CollectiveError
 from fsdp_compose.runtime.divergence import ExecutionOrderError
-from fsdp_compose.runtime.handshake import CollectiveError
 from tests.harness import run_on_ranks
 from tests.models import DIM, Block, TinyLM, global_batch, lm_loss, local_slice
 

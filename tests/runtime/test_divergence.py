@@ -19,8 +19,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
+from fsdp_compose.runtime.c10d_direct import CollectiveError
 from fsdp_compose.runtime.divergence import CHECK_ENV, ExecutionOrderError, check_mode
-from fsdp_compose.runtime.handshake import CollectiveError
 from tests.harness import run_on_ranks
 from tests.models import (
     TinyLM,
@@ -86,24 +86,15 @@ Ranks diverged: they were about to run different collectives of sharded modules 
     )
 
 
-def _last_rank_skips_a_module(how: str) -> str:
-    from fsdp_compose.runtime import handshake
-
-    original = handshake.uses_all_reduce
-    handshake.uses_all_reduce = lambda group, world: how == "all-reduce"  # gloo would pick the all-gather
-    try:
-        model = _model()
-        return _catch(lambda: model(torch.randn(3, 4), skip=dist.get_rank() == 2).sum().backward())
-    finally:
-        handshake.uses_all_reduce = original
+def _last_rank_skips_a_module() -> str:
+    model = _model()
+    return _catch(lambda: model(torch.randn(3, 4), skip=dist.get_rank() == 2).sum().backward())
 
 
-@pytest.mark.parametrize("how", ["all-gather", "all-reduce"])
-def test_one_rank_of_three_diverging_is_named_everywhere(how):
-    """Two ranks agree and one does not: all three raise the same error whichever handshake runs
-    (for the all-reduce, the max and min of the entries still differ; a check that compared
-    only against a majority, or only the max, would miss it)."""
-    errors = run_on_ranks(3, _last_rank_skips_a_module, how, timeout=60)
+def test_one_rank_of_three_diverging_is_named_everywhere():
+    """Two ranks agree and one does not: all three raise the same error (a check that compared only
+    against a majority would miss it)."""
+    errors = run_on_ranks(3, _last_rank_skips_a_module, timeout=60)
     assert errors[0] == errors[1] == errors[2]
     assert_expected_inline(
         errors[0],

@@ -122,31 +122,3 @@ Ranks diverged: they were about to run different collectives of sharded modules 
   rank 1: all-gather of 'b' (Linear), 40 bytes
 (on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
         )
-
-
-class TestPackedDivergenceOnThreadedRanks(TestDivergenceOnThreadedRanks):
-    """The same on the form of groups over 8 ranks: one all-reduce of packed fields, two ranks named."""
-
-    def setUp(self) -> None:
-        from fsdp_compose.runtime import handshake_ledger
-
-        self._original = handshake_ledger.gathers_entries
-        handshake_ledger.gathers_entries = lambda world: False  # before the rank threads start
-        super().setUp()
-
-    def tearDown(self) -> None:
-        from fsdp_compose.runtime import handshake_ledger
-
-        handshake_ledger.gathers_entries = self._original
-        super().tearDown()
-
-    def test_ranks_are_named_when_backward_ends(self) -> None:
-        assert_expected_inline(
-            self._diverge(),
-            """\
-Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
-  rank 0: all-gather of 'a' (Linear), 40 bytes
-  rank 1: all-gather of 'b' (Linear), 40 bytes
-  (the largest and smallest entries of 2 ranks; the others are not named)
-(on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
-        )
