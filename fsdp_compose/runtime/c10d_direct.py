@@ -2,7 +2,7 @@
 (``fsdp_compose/comm.py``) that call a ``ProcessGroup`` directly, with options built once.
 
 Calling ``group.all_gather_single`` and friends skips the argument checks
-``torch.distributed``'s functions run on every call (about 10 µs of Python): the runtime's
+``torch.distributed``'s functions run in Python on every call: the runtime's
 tensors are always plain, dense and on the group's device. Tests and benchmarks therefore count
 collectives by wrapping ``ProcessGroup``'s methods, not ``torch.distributed``'s.
 
@@ -133,8 +133,7 @@ _push_hooks = _autograd._push_saved_tensors_default_hooks
 def python_free_tls() -> contextlib.AbstractContextManager:
     """Temporarily remove the backward's stashed context and any saved-tensor hooks from TLS.
 
-    Outside backward and checkpointing there is nothing to hide: a shared no-op context then
-    saves the generator-based one (a few µs per collective)."""
+    Outside backward and checkpointing there is nothing to hide: a shared no-op context then."""
     if _is_key_in_tls(_CONTEXT_KEY) or _top_hooks(True) is not None:
         return _HidePythonObjects()
     return _NULL

@@ -351,7 +351,7 @@ class ParamGroup:
     def _divisor(self, value: float, dtype: torch.dtype) -> float | torch.Tensor:
         """``value`` as a 0-dim fp32 CPU tensor for fp32 gradients, else as it is.
 
-        Dividing by a Python number first wraps it into a tensor (about 1 µs per call); a 0-dim CPU
+        Dividing by a Python number first wraps it into a new tensor on every call; a 0-dim CPU
         tensor takes the same scalar path through the kernel, so the result is bit-identical. Only
         fp32, where the number is rounded to fp32 either way; other dtypes keep the number. Kept per
         group, not per process: a tensor made under one fake mode must not reach another model's.

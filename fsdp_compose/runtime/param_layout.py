@@ -61,10 +61,9 @@ def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
 def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     """A DTensor with ``param``'s layout around ``local``, reusing its spec.
 
-    ``DTensor.from_local`` validates and rebuilds the spec through an autograd function,
-    which costs tens of microseconds per gradient; the layout here is known to match. Calling
-    ``__new__`` skips ``DTensor.__init__``, which does nothing but pass through a
-    dynamo-disabling wrapper (a few microseconds per gradient).
+    ``DTensor.from_local`` validates and rebuilds the spec through an autograd function on every
+    gradient; the layout here is known to match. Calling ``__new__`` skips ``DTensor.__init__``,
+    which does nothing but pass through a dynamo-disabling wrapper.
     """
     return DTensor.__new__(DTensor, local, param._spec, requires_grad=False)  # DTensor.__init__ does nothing
 

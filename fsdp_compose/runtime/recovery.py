@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .state import GroupState, class_name
+from .state import STEP_FORWARD, GroupState, class_name
 
 
 def reset_iteration(state: GroupState) -> None:
@@ -22,7 +22,7 @@ def reset_iteration(state: GroupState) -> None:
         s.group.discard_step()
         s.reset_backward()
     if root is not None:
-        root.in_backward = False
+        root.phase = STEP_FORWARD
         root.reducing.clear()
         root.forward_order = []
         root.forward_seen = set()

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import warnings
 
-from .state import GroupState, RootState
+from .state import AFTER_BACKWARD, STEP_FORWARD, GroupState, RootState
 
 
 def record_pre_forward(root: RootState, state: GroupState) -> None:
-    if state is root.root_module_state and root.backward_in_step:
+    if state is root.root_module_state and root.phase == AFTER_BACKWARD:
         end_step(root)
     if state not in root.forward_seen:
         root.forward_seen.add(state)
@@ -51,7 +51,7 @@ def backward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupS
 def end_backward(root: RootState) -> None:
     """A backward pass ended; the step goes on until the root's next forward (more backward
     passes may follow). While the first step runs, its order so far is the reference."""
-    root.backward_in_step = True
+    root.phase = AFTER_BACKWARD
     if not root.reference_final and root.forward_order:
         _set_reference(root, root.forward_order)
     root.post_forward_order = []
@@ -61,7 +61,7 @@ def end_backward(root: RootState) -> None:
 def end_step(root: RootState) -> None:
     """Keep the first step's order as the reference; warn once if a later step's differs."""
     order = root.forward_order
-    root.backward_in_step = False
+    root.phase = STEP_FORWARD
     if order:
         if not root.reference_final:
             _set_reference(root, order)

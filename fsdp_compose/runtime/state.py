@@ -18,10 +18,8 @@ from .uids import rank_key
 
 
 class StepPhase(IntEnum):
-    """How far one group is in this step; back to ``IDLE`` when the root's backward ends.
-
-    Phases only move forward within a step: a group's post-backward waits for every use of its
-    forward to finish backward, so no pre-backward of this step can follow it."""
+    """How far one group is in this step; only moves forward (a post-backward waits for every use
+    of the group's forward to finish backward), back to ``IDLE`` when the root's backward ends."""
 
     IDLE = 0
     FORWARD = 1  # ran a forward with grad enabled: a backward will follow
@@ -30,6 +28,18 @@ class StepPhase(IntEnum):
 
 
 IDLE, FORWARD, PRE_BACKWARD, POST_BACKWARD = StepPhase  # plain names for the hooks' hot path
+
+
+class RootPhase(IntEnum):
+    """Where a root's step is: forward, then backward passes (several for a chunked loss); the
+    step ends at the root's next forward after a backward."""
+
+    STEP_FORWARD = 0  # no backward ended yet this step
+    IN_BACKWARD = 1  # a backward runs: a forward now is activation checkpointing's recomputation
+    AFTER_BACKWARD = 2  # a backward ended: the root's next forward begins a new step
+
+
+STEP_FORWARD, IN_BACKWARD, AFTER_BACKWARD = RootPhase
 
 
 @dataclass(eq=False)
@@ -84,7 +94,7 @@ class RootState:
 
     root_module_state: GroupState  # the root module's own state (each GroupState.root points back here)
     states: list[GroupState]
-    in_backward: bool = False
+    phase: RootPhase = STEP_FORWARD
     prefetch_limit: int = 1  # all-gathers in flight ahead of the running group
     reduce_limit: int = 2  # reduce-scatters in flight before the oldest is waited for
     reducing: list[GroupState] = field(default_factory=list)
@@ -96,7 +106,6 @@ class RootState:
     reference_forward_order: list[GroupState] | None = None
     reference_index: dict[GroupState, int] = field(default_factory=dict)
     reference_final: bool = False  # the first step ended: later steps are compared with its order
-    backward_in_step: bool = False  # a backward ended since the step began; the root's next forward ends the step
     warned_order_change: bool = False
     # handshakes on backends other than gloo, judged when each backward ends (handshake_ledger.py)
     ledgers: Ledgers = field(default_factory=Ledgers)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime.state import GroupState, states_in
+from ..runtime.state import IN_BACKWARD, GroupState, states_in
 
 
 def group_states(module: nn.Module) -> list[GroupState]:
@@ -17,7 +17,7 @@ def group_states(module: nn.Module) -> list[GroupState]:
 
 def check_idle(state: GroupState, action: str) -> None:
     """Refuse whole-model operations in the middle of backward, where shards are in flux."""
-    if state.root is not None and state.root.in_backward:
+    if state.root is not None and state.root.phase == IN_BACKWARD:
         raise RuntimeError(f"{action} cannot run during backward (group {state.label})")
 
 

@@ -16,13 +16,13 @@ import torch
 
 from ..param_grad import stash_grad
 from ..schedule import backward_prefetch_targets, end_backward, unshard_with_prefetch
-from ..state import IDLE, POST_BACKWARD, PRE_BACKWARD, GroupState, RootState
+from ..state import IDLE, IN_BACKWARD, POST_BACKWARD, PRE_BACKWARD, GroupState, RootState
 
 
 def queue_end_of_backward(root: RootState) -> None:
-    if root.in_backward:
+    if root.phase == IN_BACKWARD:
         return
-    root.in_backward = True
+    root.phase = IN_BACKWARD
     torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(root))
 
 
@@ -104,5 +104,4 @@ def end_of_backward(root: RootState) -> None:
     for state in root.states:
         state.reset_backward()
     end_backward(root)
-    root.in_backward = False
     root.ledgers.close_round()  # may raise ExecutionOrderError, once the step's state is reset

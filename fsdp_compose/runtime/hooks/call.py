@@ -1,9 +1,9 @@
 """A sharded module's call without ``nn.Module``'s general hook loop, when it would run only ours.
 
 ``nn.Module._call_impl`` with any hook registered runs a general loop (a closure, the global
-hook tables, the with-kwargs and always-called bookkeeping): about 2 µs per call more than
-calling the two hooks and ``forward`` directly. When fully_shard's pre- and post-forward hooks
-are the module's only hooks and no global module hooks exist, ``call_sharded`` runs exactly
+hook tables, the with-kwargs and always-called bookkeeping) that calling the two hooks and
+``forward`` directly skips (priced in docs/benchmarks.md). When fully_shard's two hooks are the
+module's only hooks and no global module hooks exist, ``call_sharded`` runs exactly
 what that loop would: the pre-forward hook, ``forward`` on its arguments, the post-forward hook
 on its output. Anything else (a user's hook, a global hook, JIT tracing) takes ``_call_impl``,
 and so does every call inside a torch.compile region (``FSDPModule._call_impl``), where the

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ..output_tensors import is_tensor_leaf, output_tensors
 from ..refresh import follow_module
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward, unshard_with_prefetch
-from ..state import FORWARD, IDLE, GroupState, RootState, class_name, states_in
+from ..state import FORWARD, IDLE, IN_BACKWARD, GroupState, RootState, class_name, states_in
 from .backward import maybe_post_backward, pre_backward
 from .not_traced import not_traced
 
@@ -132,7 +132,7 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
             args = cast_floating(args, policy.param_dtype)
         else:
             args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
-    if root.in_backward:  # activation-checkpoint recomputation: just make the data available
+    if root.phase == IN_BACKWARD:  # activation-checkpoint recomputation: just make the data available
         state.group.unshard()
         return args, kwargs
     if state.is_root:
@@ -158,7 +158,7 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
     root = state.root
     if state.mp_policy.output_dtype is not None:
         output = cast_floating(output, state.mp_policy.output_dtype)
-    if root.in_backward:
+    if root.phase == IN_BACKWARD:
         return output
     if not torch.is_grad_enabled():
         # no backward will follow: free everything, prefetched groups included at the root
