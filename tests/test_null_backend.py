@@ -34,14 +34,24 @@ print(json.dumps(calls))
 """
 
 
-def test_null_backend_counts_both_libraries_collectives_and_touches_no_output():
-    env = dict(os.environ, FSDP_COMPOSE_CHECK_ORDER="0", PYTHONPATH=ROOT)
+def _calls(check_order: str) -> dict:
+    env = dict(os.environ, FSDP_COMPOSE_CHECK_ORDER=check_order, PYTHONPATH=ROOT)
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr[-3000:]
     calls = json.loads(result.stdout.strip().splitlines()[-1])
     assert calls.pop("untouched") is True
+    return calls
+
+
+def test_null_backend_counts_both_libraries_collectives_and_touches_no_output():
     # 3 groups: the two layers and the root (which owns no parameters here); each layer is
     # gathered in forward and again in backward, and its gradient reduce-scattered once.
-    assert calls == {name: {"all_gather_single": 4, "reduce_scatter_single": 2} for name in ("torch", "ours")}
+    assert _calls("0") == {name: {"all_gather_single": 4, "reduce_scatter_single": 2} for name in ("torch", "ours")}
+
+
+def test_divergence_check_adds_one_collective_per_step_on_other_backends():
+    """Off gloo, handshakes are logged on the host and one all-reduce agrees on the step's log
+    when backward ends: no collective per all-gather (runtime/handshake_ledger.py)."""
+    assert _calls("1")["ours"] == {"all_gather_single": 4, "reduce_scatter_single": 2, "allreduce": 1}
