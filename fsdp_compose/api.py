@@ -19,7 +19,7 @@ from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.placement import make_sharded_param, resolve_shard_dim
-from .runtime.state import GroupState, class_name, describe_group, owner_of, register_owner, register_state, state_of
+from .runtime.state import GroupState, class_name, group_label, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .transports import default_comms
 from .whole_model.state_dict_hooks import register_state_dict_hooks
@@ -277,7 +277,7 @@ def fully_shard(
     # Nothing above changed the model; from here on, commit.
     all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
     comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
-    group = ParamGroup(sharded, mesh, device, class_name(module), describe_group, comm)
+    group = ParamGroup(sharded, mesh, device, class_name(module), group_label, comm)
     if post_forward_ranks is not None and reshard_after_forward:
         group.set_post_forward_ranks(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
     state = GroupState(

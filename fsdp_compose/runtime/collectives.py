@@ -44,19 +44,19 @@ class CommStats:
 class PendingCollective:
     """An issued collective; ``finish`` waits and runs the copy-out once.
 
-    ``what`` names it if the wait fails: a string, or a function that builds one (so the
+    ``name`` names it if the wait fails: a string, or a function that builds one (so the
     message is not formatted on every collective). A plain slotted class: two are made per
     group and step."""
 
-    __slots__ = ("work", "on_done", "done", "what")
+    __slots__ = ("work", "on_done", "done", "name")
 
     def __init__(
-        self, work: object, on_done: Callable[[], None] | None, what: str | Callable[[], str] = "a collective"
+        self, work: object, on_done: Callable[[], None] | None, name: str | Callable[[], str] = "a collective"
     ) -> None:
         self.work = work
         self.on_done = on_done
         self.done = False
-        self.what = what
+        self.name = name
 
     def finish(self) -> None:
         if self.done:
@@ -64,7 +64,7 @@ class PendingCollective:
         self.done = True
         work, self.work = self.work, None  # a gloo Work kept alive past shutdown aborts the process at exit
         if work is not None:
-            wait_named(work, self.what)
+            wait_named(work, self.name)
             work = None  # drop the backend's hold on the input before copy-out allocates
         on_done, self.on_done = self.on_done, None
         on_done()
@@ -130,23 +130,23 @@ def reduce_scatter_rows(
     stats: CommStats,
     pre_divide: float = 1,
     comm=DIRECT_REDUCE_SCATTER,
-    tail: torch.Tensor | None = None,
+    padding_rows: torch.Tensor | None = None,
 ) -> tuple[object, torch.Tensor]:
     """Start one reduce-scatter (sum) of column blocks; rank r receives row r.
 
-    Blocks are (world, columns). With ``tail`` (later ranks' rows, all alike: a row expanded),
-    they hold only the first ranks' rows and the table's other rows are ``tail``: where every
+    Blocks are (world, columns). With ``padding_rows`` (later ranks' rows, alike: a row expanded),
+    they hold only the first ranks' rows and the table's other rows are ``padding_rows``: where every
     parameter's rows reach only the first ranks, the rest is padding (zeros) and flags, copied
     in one go rather than padded block by block.
     Empties ``rows`` once they are copied into the table, so the unsharded gradients they
     refer to are freed before the output is allocated and while the collective is in flight.
     ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
     """
-    top, dtype, device = rows[0].shape[0], rows[0].dtype, rows[0].device
-    world = top if tail is None else top + tail.shape[0]
+    first, dtype, device = rows[0].shape[0], rows[0].dtype, rows[0].device
+    world = first if padding_rows is None else first + padding_rows.shape[0]
     width = sum(r.shape[1] for r in rows)
     buffer = comm.allocate((world * width,), dtype=dtype, device=device)
-    table = _fill_table(rows, tail, buffer.view(world, width))
+    table = _fill_table(rows, padding_rows, buffer.view(world, width))
     rows.clear()
     if pre_divide != 1:
         table.div_(pre_divide)
@@ -158,12 +158,12 @@ def reduce_scatter_rows(
     return work, output
 
 
-def _fill_table(rows: list[torch.Tensor], tail: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
-    """The blocks side by side in ``table``'s first rows, ``tail`` (if any) in the rest."""
-    if tail is None:
+def _fill_table(rows: list[torch.Tensor], padding_rows: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
+    """The blocks side by side in ``table``'s first rows, ``padding_rows`` (if any) in the rest."""
+    if padding_rows is None:
         return torch.cat(rows, dim=1, out=table)
     torch.cat(rows, dim=1, out=table[: rows[0].shape[0]])
-    table[rows[0].shape[0] :].copy_(tail)
+    table[rows[0].shape[0] :].copy_(padding_rows)
     return table
 
 

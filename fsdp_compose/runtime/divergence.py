@@ -38,16 +38,16 @@ def check_mode() -> str:
     return mode
 
 
-def collective_text(uid: int, kind: int, nbytes: int | None, describe: Callable[[int], str]) -> str:
+def collective_text(uid: int, kind: int, nbytes: int | None, name_of: Callable[[int], str]) -> str:
     """``all-gather of 'blocks.3' (Block), 1736 bytes`` (``nbytes`` None: size not known)."""
-    return f"{KINDS[kind]} of {describe(uid)}" + ("" if nbytes is None else f", {nbytes} bytes")
+    return f"{KINDS[kind]} of {name_of(uid)}" + ("" if nbytes is None else f", {nbytes} bytes")
 
 
-def entry_line(rank: int, magic: int, uid: int, kind: int, nbytes: int | None, describe: Callable[[int], str]) -> str:
+def entry_line(rank: int, magic: int, uid: int, kind: int, nbytes: int | None, name_of: Callable[[int], str]) -> str:
     """One rank's line: the collective its entry names."""
     if magic != MAGIC or kind not in KINDS:
         return f"  rank {rank}: <not a fully_shard collective>"
-    return f"  rank {rank}: {collective_text(uid, kind, nbytes, describe)}"
+    return f"  rank {rank}: {collective_text(uid, kind, nbytes, name_of)}"
 
 
 def diverged_message(lines: list[str], kinds: list[int]) -> str:

@@ -35,18 +35,18 @@ class Reduction:
     """One reduce-scatter of a group: its dtype's parameters and what one rank sends.
 
     A rank's row is every parameter's padded rows plus one has-gradient flag per parameter.
-    ``top``: where no parameter's rows reach every rank, the ranks they reach (the table's later
+    ``reached``: where no parameter's rows reach every rank, the ranks they reach (the table's later
     rows are padding and flags only, see ``collectives.reduce_scatter_rows``); else None."""
 
     dtype: torch.dtype
     params: tuple[ShardedParam, ...]
     row_bytes: int
-    top: int | None
+    reached: int | None
 
     @staticmethod
     def of(dtype: torch.dtype, params: list[ShardedParam], world: int) -> Reduction:
         row_bytes = (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize
-        return Reduction(dtype, tuple(params), row_bytes, _short_of(max(p.data_ranks for p in params), world))
+        return Reduction(dtype, tuple(params), row_bytes, _fewer_than(max(p.data_ranks for p in params), world))
 
 
 class ParamGroup:
@@ -58,19 +58,19 @@ class ParamGroup:
         mesh: DeviceMesh,
         device: torch.device,
         label: str,
-        describe: Callable[[int], str],
+        name_of: Callable[[int], str],
         comm: CommOptions,
     ) -> None:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
-        self.describe = describe  # names any group by its uid (divergence messages name other ranks' groups)
+        self.name_of = name_of  # names any group by its uid (divergence messages name other ranks' groups)
         self.handshakes = Handshakes(self.uid, handshake_kinds(), device, gloo_handshake_kinds())
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
         self.mesh = mesh
         self.device = device
-        self._all_present: dict = {}  # reduce dtype -> its cached flag rows (and tail)
+        self._all_present: dict = {}  # reduce dtype -> its cached flag rows (and padding rows)
         self._flag_reads: dict[object, bool] = {}  # reduce process group -> whether its flags are read back
         self._divisors: dict[float, torch.Tensor] = {}  # see _divisor
         # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
@@ -150,7 +150,7 @@ class ParamGroup:
                         pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, nbytes
                     )
         finish = partial(self._finish_unshard, gathered, layout, rows, extended)
-        self.pending_unshard = PendingCollective(work, finish, what=self._name_all_gather)
+        self.pending_unshard = PendingCollective(work, finish, name=self._name_all_gather)
 
     def _follow_extension_widths(self) -> None:
         widths = [w for p in self.params for w in p.gather_widths()]
@@ -166,19 +166,19 @@ class ParamGroup:
         return f"the reduce-scatter of {self.label}"
 
     def _handshake(self, kind: int, nbytes: int, group) -> None:
-        self.handshakes.check(kind, nbytes, group, self.describe)
+        self.handshakes.check(kind, nbytes, group, self.name_of)
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int, extended: bool = False) -> None:
         with grad_off():
             with labelled("copy_out", self):
                 # later ranks' rows are padding, which no parameter reads: left unwritten (a
                 # post-forward slice keeps rows of other ranks, so it gets them all)
-                short = self.data_ranks < rows == self.world_size and self.post_forward is None
+                skip_padding = self.data_ranks < rows == self.world_size and self.post_forward is None
                 if extended:  # one target per extension input, every row
                     targets = [t for p in self.params for t in p.gather_targets()]
                     if rows != self.world_size:
                         targets = [t.view(rows, -1) for t in targets]
-                elif short:
+                elif skip_padding:
                     targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
                     gathered = gathered[: self.data_ranks]
                 elif rows == self.world_size:  # the targets already are (world, padded bytes)
@@ -247,16 +247,17 @@ class ParamGroup:
         factor = comm.gradient_divide_factor or self.dp_size
         with grad_off():
             for reduction in plan:
-                dtype, params, nbytes, top = reduction.dtype, reduction.params, reduction.row_bytes, reduction.top
+                dtype, params, reached = reduction.dtype, reduction.params, reduction.reached
                 rows, present = [], []
                 for p in params:
                     grad = unsharded_grad(p)
                     present.append(grad is not None)
-                    rows.append(padded_grad_rows(p, grad, top))
+                    rows.append(padded_grad_rows(p, grad, reached))
                     clear_unsharded_grad(p)
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
-                flags, tail = self._flag_rows(dtype, present, all_present, top, nbytes // dtype.itemsize)
+                width = reduction.row_bytes // dtype.itemsize
+                flags, padding_rows = self._flag_rows(dtype, present, all_present, reached, width)
                 rows.append(flags)
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 if dtype.itemsize >= 4:
@@ -265,10 +266,10 @@ class ParamGroup:
                     pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
                 accumulate_all = all_present or not self._reads_flags(group)
                 finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
-                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, tail, finish)
+                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, padding_rows, finish)
                 if then is not None and reduction is plan[-1]:  # the group's last reduction: ``then`` follows it
                     issue = partial(_in_turn, issue, then)
-                self.handshakes.submit(REDUCE_SCATTER, nbytes, group, self.describe, issue)
+                self.handshakes.submit(REDUCE_SCATTER, reduction.row_bytes, group, self.name_of, issue)
 
     def reduce_plan(self) -> list[Reduction]:
         """The group's reduce-scatters: one per reduce dtype of its trainable parameters."""
@@ -280,28 +281,29 @@ class ParamGroup:
         return self._reduce_plan
 
     def _issue_reduce_scatter(
-        self, rows: list[torch.Tensor], group, pre_divide: float, tail: torch.Tensor | None, finish: Callable
+        self, rows: list[torch.Tensor], group, pre_divide: float, padding_rows: torch.Tensor | None, finish: Callable
     ) -> None:
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter, tail)
-        self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), what=self._name_reduce_scatter))
+            comm = self.comm.reduce_scatter
+            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm, padding_rows)
+        self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), name=self._name_reduce_scatter))
 
     def _flag_rows(
-        self, dtype: torch.dtype, present: list[bool], all_present: bool, top: int | None, width: int
+        self, dtype: torch.dtype, present: list[bool], all_present: bool, reached: int | None, width: int
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's has-gradient flags, as the flag columns of every rank's row; or, with
-        ``top``, of the first ``top`` ranks' rows, plus every later rank's whole row (zeros, the
-        padding, then the flags) as the table's tail. The common all-present case is cached."""
+        ``reached``, of the first ``reached`` ranks' rows, plus every later rank's whole row (zeros, the
+        padding, then the flags) as the table's padding rows. The common all-present case is cached."""
         if all_present:
             cached = self._all_present.get(dtype)
             if cached is not None:
                 return cached
         flags = torch.tensor(present, dtype=dtype, device=self.device)
-        if top is None:
+        if reached is None:
             pair = flags.expand(self.world_size, -1), None
         else:
             row = torch.cat([flags.new_zeros(width - len(present)), flags])
-            pair = flags.expand(top, -1), row.expand(self.world_size - top, -1)
+            pair = flags.expand(reached, -1), row.expand(self.world_size - reached, -1)
         if all_present:
             self._all_present[dtype] = pair
         return pair
@@ -394,6 +396,6 @@ def _discard() -> None:
     """Completion of a reduction whose result a recovered step no longer wants."""
 
 
-def _short_of(ranks: int, world: int) -> int | None:
+def _fewer_than(ranks: int, world: int) -> int | None:
     """``ranks`` if fewer than ``world`` (rows of later ranks are padding only), else None."""
     return ranks if ranks < world else None

@@ -78,8 +78,8 @@ class _Exchange:
         on_cpu = device.type == "cpu"
         self.received_array = self.received.numpy() if on_cpu else None  # shares the tensor's memory
         self.expected_bytes = self.expected.numpy().tobytes() if on_cpu else None
-        self.describe: Callable[[int], str] | None = None
-        self.what: Callable[[], str] = str  # names the handshake if its wait fails; set with ``describe``
+        self.name_of: Callable[[int], str] | None = None
+        self.name: Callable[[], str] = str  # names the handshake if its wait fails; set with ``name_of``
 
     def agreed(self) -> bool:
         """Whether the collective gave back exactly the expected entries."""
@@ -142,7 +142,7 @@ class Handshakes:
             self._exchanges[key] = exchange
         return group, exchange
 
-    def check(self, kind: int, nbytes: int, group, describe: Callable[[int], str]) -> None:
+    def check(self, kind: int, nbytes: int, group, name_of: Callable[[int], str]) -> None:
         """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective
         (and, on gloo, the same waiting reduce-scatters, which are then issued first)."""
         if kind not in self.checked:
@@ -151,11 +151,11 @@ class Handshakes:
         if exchange is None:
             return
         if type(exchange) is Entry:
-            exchange.ledger.record(exchange, describe)
+            exchange.ledger.record(exchange, name_of)
             return
-        self._run_covering(kind, nbytes, group, describe, exchange)
+        self._run_covering(kind, nbytes, group, name_of, exchange)
 
-    def submit(self, kind: int, nbytes: int, group, describe: Callable[[int], str], issue: Callable[[], None]) -> None:
+    def submit(self, kind: int, nbytes: int, group, name_of: Callable[[int], str], issue: Callable[[], None]) -> None:
         """Run ``issue`` (which issues a collective of ``kind`` and ``nbytes`` on ``group``) once every rank
         agreed on it. On gloo a reduce-scatter waits for the next handshake on its process group (the next
         all-gather's, in backward usually the next block's prefetch, or ``flush``): one handshake then covers
@@ -165,23 +165,23 @@ class Handshakes:
             if kind == REDUCE_SCATTER and type(exchange) is _Exchange:
                 self.ledgers.waiting.setdefault(resolved, []).append(Waiting(self.uid, nbytes, issue))
                 return
-            self.check(kind, nbytes, group, describe)
+            self.check(kind, nbytes, group, name_of)
         issue()
 
-    def flush(self, describe: Callable[[int], str]) -> None:
+    def flush(self, name_of: Callable[[int], str]) -> None:
         """Agree on and issue the reduce-scatters still waiting, one handshake per process group (called when a
         group's backward begins and when backward ends, where no all-gather may follow on their group)."""
         waiting_by_group = self.ledgers.waiting
         while waiting_by_group:
-            self._run_covering(ONLY_REDUCES, 0, next(iter(waiting_by_group)), describe)
+            self._run_covering(ONLY_REDUCES, 0, next(iter(waiting_by_group)), name_of)
 
-    def _run_covering(self, kind: int, nbytes: int, group, describe: Callable, cached: _Exchange | None = None) -> None:
+    def _run_covering(self, kind: int, nbytes: int, group, name_of: Callable, cached: _Exchange | None = None) -> None:
         """Run the handshake (``cached``, when no reduce-scatter waits on ``group``; else one that covers them),
         then issue the reduce-scatters it covered."""
         waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
         if waiting or cached is None:
             cached = _Exchange(self.uid, kind, nbytes, group.size(), self.device, waiting)
-        run(cached, group, describe)
+        run(cached, group, name_of)
         for reduce in waiting or ():
             reduce.issue()
 
@@ -205,16 +205,16 @@ def _digest(waiting: list[Waiting]) -> tuple[int, int]:
 _DIGEST_MODULUS = (1 << 61) - 1
 
 
-def run(exchange: _Exchange, group, describe: Callable[[int], str]) -> None:
+def run(exchange: _Exchange, group, name_of: Callable[[int], str]) -> None:
     received = exchange.received
-    if exchange.describe is not describe:  # the failure message's builder, made once
-        exchange.describe, exchange.what = describe, partial(_what, exchange.uid, exchange.kind, describe)
+    if exchange.name_of is not name_of:  # the failure message's builder, made once
+        exchange.name_of, exchange.name = name_of, partial(_handshake_name, exchange.uid, exchange.kind, name_of)
     with python_free_tls():
         work = group.all_gather_single(received, exchange.mine, ASYNC_ALL_GATHER)
     if work is not None:
-        wait_named(work, exchange.what)
+        wait_named(work, exchange.name)
     if not exchange.agreed():
-        _raise_diverged(exchange, received.view(-1, FIELDS).tolist(), group, describe)
+        _raise_diverged(exchange, received.view(-1, FIELDS).tolist(), group, name_of)
 
 
 def _gather(mine: torch.Tensor, group, what: Callable[[], str]) -> torch.Tensor:
@@ -225,15 +225,15 @@ def _gather(mine: torch.Tensor, group, what: Callable[[], str]) -> torch.Tensor:
     return rows
 
 
-def _what(uid: int, kind: int, describe: Callable[[int], str]) -> str:
+def _handshake_name(uid: int, kind: int, name_of: Callable[[int], str]) -> str:
     """Names a handshake whose wait failed. Takes no exchange: an exchange holding a function that holds it
     would be a reference cycle, whose tensors only the cyclic garbage collector frees."""
     if kind == ONLY_REDUCES:
         return "the handshake before the waiting reduce-scatters"
-    return f"the handshake before the {KINDS[kind]} of {describe(uid)}"
+    return f"the handshake before the {KINDS[kind]} of {name_of(uid)}"
 
 
-def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, describe: Callable[[int], str]) -> None:
+def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, name_of: Callable[[int], str]) -> None:
     """Every rank got the same ``rows``, so every rank is here: name what each was about to run."""
     waiting = None
     if any(row[4] for row in rows):  # gather the waiting reduce-scatters' names too, from every rank alike
@@ -241,22 +241,22 @@ def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, describe:
         flat = [len(exchange.waiting)] + [v for reduce in named for v in (reduce.uid, reduce.nbytes)]
         flat += [0] * (1 + 2 * NAMED_REDUCES - len(flat))
         mine = torch.tensor(flat, dtype=torch.int64, device=exchange.mine.device)
-        waiting = _gather(mine, group, exchange.what).view(group.size(), -1).tolist()
+        waiting = _gather(mine, group, exchange.name).view(group.size(), -1).tolist()
     lines, kinds = [], []
     for i, (rank, (magic, uid, kind, nbytes, count, _)) in enumerate(zip(dist.get_process_group_ranks(group), rows)):
         if magic != MAGIC or (kind not in KINDS and kind != ONLY_REDUCES):
-            lines.append(entry_line(rank, magic, uid, kind, nbytes, describe))
+            lines.append(entry_line(rank, magic, uid, kind, nbytes, name_of))
             continue
         parts = []
         if count:
             listed = waiting[i]
             pairs = list(zip(listed[1::2], listed[2::2]))[: min(count, NAMED_REDUCES)]
-            parts += [collective_text(u, REDUCE_SCATTER, b, describe) for u, b in pairs]
+            parts += [collective_text(u, REDUCE_SCATTER, b, name_of) for u, b in pairs]
             if count > NAMED_REDUCES:
                 parts.append(f"{count - NAMED_REDUCES} more reduce-scatters")
             kinds.append(REDUCE_SCATTER)
         if kind != ONLY_REDUCES:
-            parts.append(collective_text(uid, kind, nbytes, describe))
+            parts.append(collective_text(uid, kind, nbytes, name_of))
             kinds.append(kind)
         lines.append(f"  rank {rank}: " + ", then ".join(parts))
     raise ExecutionOrderError(diverged_message(lines, kinds))

@@ -54,16 +54,16 @@ class Ledger:
         self.device = device
         self.log: list[Entry] = []
         self.digest = 0
-        self.pending: tuple | None = None  # (verdict, event, log, describe) of a closed round
-        self.describe: Callable[[int], str] = str
+        self.pending: tuple | None = None  # (verdict, event, log, name_of) of a closed round
+        self.name_of: Callable[[int], str] = str
 
-    def record(self, entry: Entry, describe: Callable[[int], str]) -> None:
+    def record(self, entry: Entry, name_of: Callable[[int], str]) -> None:
         """Log one collective about to be issued: host arithmetic only, no collective and no read."""
         if len(self.log) == SLOTS:
             self.close_round()
         self.log.append(entry)
         self.digest = (self.digest * 1_000_003 + entry.term) % _MODULUS
-        self.describe = describe
+        self.name_of = name_of
 
     def close_round(self) -> None:
         """Agree on this round's log on the device; read the verdict now on the CPU, next round elsewhere."""
@@ -84,7 +84,7 @@ class Ledger:
             verdict = verdict.to("cpu", non_blocking=True)
             event = torch.Event(mine.device)
             event.record()
-        pending = (verdict, event, self.log, self.describe)
+        pending = (verdict, event, self.log, self.name_of)
         self.log, self.digest = [], 0
         if event is None:
             self._read(pending)
@@ -97,7 +97,7 @@ class Ledger:
         self.log, self.digest = [], 0
 
     def _read(self, pending: tuple) -> None:
-        verdict, event, log, describe = pending
+        verdict, event, log, name_of = pending
         if is_fake(verdict):  # a fake run has no values to judge
             return
         if event is not None:
@@ -105,17 +105,17 @@ class Ledger:
         if verdict.item():
             logs: list = [None] * self.group.size()
             dist.all_gather_object(logs, [(e.uid, e.kind, e.nbytes) for e in log], group=self.group)
-            raise ExecutionOrderError(_first_difference(logs, dist.get_process_group_ranks(self.group), describe))
+            raise ExecutionOrderError(_first_difference(logs, dist.get_process_group_ranks(self.group), name_of))
 
 
-def _first_difference(logs: list[list[tuple[int, int, int]]], ranks: list[int], describe: Callable[[int], str]) -> str:
+def _first_difference(logs: list[list[tuple[int, int, int]]], ranks: list[int], name_of: Callable[[int], str]) -> str:
     """The message naming each rank's collective at the first position where the logs differ."""
     at = next((i for i in range(max(map(len, logs))) if len({tuple(log[i : i + 1]) for log in logs}) > 1), 0)
     named = [(rank, log[at] if at < len(log) else None) for rank, log in zip(ranks, logs)]
     if len(named) > NAMED_RANKS:  # the first rank, then those that differ from it
         named = [named[0]] + [item for item in named[1:] if item[1] != named[0][1]][: NAMED_RANKS - 1]
     lines = [
-        entry_line(rank, MAGIC, *entry, describe) if entry else f"  rank {rank}: no further collective this round"
+        entry_line(rank, MAGIC, *entry, name_of) if entry else f"  rank {rank}: no further collective this round"
         for rank, entry in named
     ]
     if len(named) < len(ranks):

@@ -153,7 +153,7 @@ def register_state(state: GroupState) -> None:
     _states_by_uid[(rank_key(), state.group.uid)] = state
 
 
-def describe_group(uid: int) -> str:
+def group_label(uid: int) -> str:
     """Name a group by the id carried in all-gather tags (ids agree across ranks)."""
     state = _states_by_uid.get((rank_key(), uid))
     return state.group.label if state is not None else f"<unknown group {uid}>"
