@@ -22,7 +22,6 @@ from ..runtime.extensions import is_wrapper_subclass
 from ..runtime.params import ShardedParam
 from ..runtime.state import GroupState
 from .model_groups import check_idle, group_states, reshard_idle
-from .state_dict_hooks import local_part
 
 
 def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[torch.Tensor | None]:
@@ -162,7 +161,7 @@ def _broadcast_group(items: list[tuple[str, ShardedParam]], given: dict[str, Any
     with torch.no_grad():
         for (_, p), chunk in zip(params, torch.split(flat, sizes)):
             full = chunk.view(p.dtype).view(p.shape)
-            p.local_tensor().copy_(local_part(full, p.sharded_param))
+            p.local_tensor().copy_(p.shard_of(full))
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any] | None, *, strict: bool = True) -> None:

@@ -17,7 +17,6 @@ from torch import nn
 
 from ..runtime.params import ShardedParam
 from .model_groups import group_states, reshard_idle
-from .state_dict_hooks import local_part
 
 
 def _exact_full(p: ShardedParam) -> nn.Parameter | None:
@@ -45,10 +44,10 @@ def _expose(
 
 @torch.no_grad()
 def _write_back(p: ShardedParam, full: nn.Parameter, with_grads: bool) -> None:
-    p.local_tensor().copy_(local_part(full, p.sharded_param))
+    p.local_tensor().copy_(p.shard_of(full))
     sharded_grad = p.sharded_param.grad
     if with_grads and full.grad is not None and sharded_grad is not None:
-        sharded_grad.to_local().copy_(local_part(full.grad, p.sharded_param))
+        sharded_grad.to_local().copy_(p.shard_of(full.grad))
 
 
 @contextmanager
