@@ -66,8 +66,7 @@ def init_sharded_parameters(model: nn.Module, init_fn: Callable[[nn.Module], Non
                 module._parameters[name] = sp.sharded_param  # shards untouched by a failed init
             raise
         for name, sp, full in swapped:
-            start, end = sp.row_range
-            sp.local_tensor().copy_(full.detach().narrow(sp.shard_dim, start, end - start))
+            sp.local_tensor().copy_(sp.shard_of(full))
             module._parameters[name] = sp.sharded_param
 
 

@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
 from .extensions import GatherExtension, check_subclass, has_protocol, is_wrapper_subclass, shard_subclass
@@ -92,7 +92,7 @@ class ShardedParam:
         # a quantized wire format chosen by ``quantize_all_gather`` (sent through the same protocol)
         self.wire: BlockQuantized | None = wire_format_of(param)
         check_subclass(source, fqn, self.tp_spec is not None, shard_dim, self.wire is not None)
-        local = self.shard_of(source)
+        local = self.shard_of(param)
         self.sharded_param = nn.Parameter(
             DTensor.from_local(
                 local,
@@ -123,11 +123,24 @@ class ShardedParam:
 
     @torch.no_grad()
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's rows of ``full`` (laid out like the parameter) as a tensor of its own, where
-        shards live. Tensor subclasses are split with ``torch.chunk`` and copied into ``new_zeros``,
-        the operators torch's FSDP2 uses, so a subclass that implements only those shards too."""
+        """This rank's shard of ``full`` as a tensor of its own, where shards live: the one way a full
+        value becomes a shard (``fully_shard``, replaced parameters, loading, deferred init, summon).
+
+        ``full`` is the parameter's whole value: a tensor of the global shape, or for a tensor-parallel
+        parameter also a DTensor in its TP layout (the unsharded parameter); a global tensor is cut to
+        this rank's TP part first, locally. Tensor subclasses are split with ``torch.chunk`` and copied
+        into ``new_zeros``, the operators torch's FSDP2 uses, so a subclass that implements only those
+        shards too. Shards on the meta device (before ``to_empty``) take ``full``'s device."""
+        if self.tp_spec is not None:
+            if isinstance(full, DTensor):
+                full = full._local_tensor
+            else:
+                tp_mesh, tp_placements = self.tp_spec.mesh, self.tp_spec.placements
+                full = distribute_tensor(full.detach(), tp_mesh, tp_placements, src_data_rank=None)._local_tensor
         start, end = self.row_range
         device = self.layout.storage_device
+        if device.type == "meta":
+            device = full.device
         if not is_wrapper_subclass(full):
             local = full.detach().narrow(self.shard_dim, start, end - start).to(device)
             local = local.clone(memory_format=torch.contiguous_format)

@@ -102,20 +102,18 @@ def _as_shard(state: GroupState, p: ShardedParam, new: torch.Tensor) -> nn.Param
             if same_layout and isinstance(new, nn.Parameter) and _usable_local(p, new._local_tensor):
                 return new  # already a shard like ours: keep the user's object (torch does too)
             local = new if same_layout else new.redistribute(target.device_mesh, target.placements)
-            local = local._local_tensor
+            storage = p.layout.storage_device
+            local = local._local_tensor.detach().to(new.device if storage.type == "meta" else storage)
+            local = local.clone(memory_format=torch.contiguous_format)
+            if p.layout.pin_memory:
+                local = local.pin_memory()
+        elif p.tp_spec is not None:
+            raise ValueError(
+                f"{where} is tensor-parallel and was replaced by a plain tensor; replace it by a "
+                f"DTensor on {target.device_mesh}"
+            )
         else:
-            if p.tp_spec is not None:
-                raise ValueError(
-                    f"{where} is tensor-parallel and was replaced by a plain tensor; replace it by a "
-                    f"DTensor on {target.device_mesh}"
-                )
-            start, end = p.row_range
-            local = new.detach().narrow(p.shard_dim, start, end - start)
-        storage = p.layout.storage_device
-        local = local.detach().to(new.device if storage.type == "meta" else storage)
-        local = local.clone(memory_format=torch.contiguous_format)
-        if p.layout.pin_memory:
-            local = local.pin_memory()
+            local = p.shard_of(new)
         shard = DTensor.from_local(
             local,
             target.device_mesh,

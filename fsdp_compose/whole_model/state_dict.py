@@ -9,7 +9,6 @@ memory is about one group on top of the result.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -17,56 +16,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.collectives import CommStats, GatherLayout, all_gather_flat
-from ..runtime.extensions import is_wrapper_subclass
+from ..runtime.full_gather import gather_full_params
 from ..runtime.params import ShardedParam
 from ..runtime.state import GroupState
 from .model_groups import check_idle, group_states, reshard_idle
-from .state_dict_hooks import local_part
-
-
-def _gather_group(params: list[ShardedParam], keep: bool, to_all: bool) -> list[torch.Tensor | None]:
-    """Full CPU copies of ``params``: one gather of the group's padded shards, as bytes.
-
-    Uses each parameter's own shard layout (the shard dim of its mesh, padded rows), so HSDP
-    and tensor-parallel shards gather like 1-D ones; a TP parameter's gathered TP-local tensor
-    is completed across the TP mesh. With ``to_all=False`` only the shard group's first rank
-    receives (``dist.gather``); the others send their shard and hold nothing more.
-    """
-    has_tp = any(p.tp_spec is not None for p in params)
-    if has_tp:  # completing TP tensors is a collective over the TP mesh: every rank takes part
-        to_all = True
-    pieces, widths = [], []
-    for p in params:
-        local = p.to_comm(p.local_tensor()).reshape(-1)
-        pad = p.padded_numel - p.local_numel
-        pieces.append((torch.cat([local, local.new_zeros(pad)]) if pad else local).view(torch.uint8))
-        widths.append(pieces[-1].numel())
-    first = params[0]
-    pg = first.mesh.get_group(first.mesh.ndim - 1)
-    world = first.world_size
-    if to_all:
-        work, out = all_gather_flat(pieces, GatherLayout(widths, world), pg, CommStats())
-        work.wait()
-        rows = list(out.unbind(0))
-    else:
-        flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].contiguous()
-        dst = dist.get_global_rank(pg, 0)
-        rows = [flat.new_empty(flat.numel()) for _ in range(world)] if dist.get_rank() == dst else None
-        dist.gather(flat, rows, dst=dst, group=pg)
-        del flat
-    del pieces
-    if rows is None or not (keep or has_tp):
-        return [None] * len(params)
-    result, offset = [], 0
-    for p, width in zip(params, widths):
-        padded = torch.cat([row[offset : offset + width] for row in rows]).view(p.dtype)
-        unsharded = p.from_comm(padded[: math.prod(p.comm_shape)].view(p.comm_shape)).contiguous()
-        if p.tp_spec is not None:
-            unsharded = DTensor(unsharded, p.tp_spec, requires_grad=False).full_tensor()
-        result.append(unsharded.to("cpu") if keep else None)
-        offset += width
-    return result
 
 
 def _keys_by_group(
@@ -97,13 +50,7 @@ def full_state_dict(model: nn.Module, *, rank0_only: bool = True) -> dict[str, A
     out: dict[str, Any] = {}
     for items in by_group.values():
         unique = list({id(p): p for _, p in items}.values())
-        # a tensor subclass shard (NF4, float8 weights) is not its bytes: DTensor gathers it as the subclass
-        subclass = [p for p in unique if is_wrapper_subclass(p.local_tensor())]
-        plain = [p for p in unique if p not in subclass]
-        fulls = dict(zip(map(id, plain), _gather_group(plain, keep, to_all=not rank0_only))) if plain else {}
-        for p in subclass:
-            full = p.sharded_param.detach().full_tensor()  # a collective: every rank
-            fulls[id(p)] = full.to("cpu") if keep else None
+        fulls = dict(zip(map(id, unique), gather_full_params(unique, keep=keep, to_all=not rank0_only, device="cpu")))
         if keep:
             for key, p in items:
                 out[key] = fulls[id(p)]
@@ -162,7 +109,7 @@ def _broadcast_group(items: list[tuple[str, ShardedParam]], given: dict[str, Any
     with torch.no_grad():
         for (_, p), chunk in zip(params, torch.split(flat, sizes)):
             full = chunk.view(p.dtype).view(p.shape)
-            p.local_tensor().copy_(local_part(full, p.sharded_param))
+            p.local_tensor().copy_(p.shard_of(full))
 
 
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any] | None, *, strict: bool = True) -> None:

@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 from ..runtime.params import ShardedParam
 from ..runtime.refresh import follow_module
@@ -21,26 +21,17 @@ from ..runtime.state import GroupState
 from .model_groups import check_idle
 
 
-def local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's piece of ``full`` in ``like``'s layout, sliced locally (no communication).
-
-    DTensor's own slicing covers every layout a shard can have: 1-D, HSDP's (Replicate,
-    Shard(0)) and the strided dim-0 split of tensor-parallel parameters.
-    """
-    return distribute_tensor(full.detach(), like.device_mesh, like.placements, src_data_rank=None)._local_tensor
-
-
-def shard_like(value: torch.Tensor, target: DTensor) -> DTensor:
-    """``value`` (a full tensor, or a DTensor of any layout) laid out exactly like ``target``."""
+def shard_like(value: torch.Tensor, p: ShardedParam) -> DTensor:
+    """``value`` (a full tensor, or a DTensor of any layout) laid out exactly like ``p``'s shard."""
+    target = p.sharded_param
     if isinstance(value, DTensor):
         if value.device_mesh == target.device_mesh:
             if tuple(value.placements) == tuple(target.placements):
                 return value
             return value.redistribute(target.device_mesh, target.placements)
         value = value.full_tensor()
-    local = local_part(value.to(target.device), target)
     return DTensor.from_local(
-        local, target.device_mesh, target.placements, run_check=False, shape=target.shape, stride=target.stride()
+        p.shard_of(value), target.device_mesh, target.placements, run_check=False, shape=p.shape, stride=target.stride()
     )
 
 
@@ -71,12 +62,11 @@ def _on_load_state_dict(state: GroupState, keys: list, module: nn.Module, state_
     check_idle(state, "load_state_dict")
     state.group.reshard()  # load into the shards (not a gathered copy or post-forward slice)
     for p, names in keys:
-        target = p.sharded_param
         for name in names:
             value = state_dict.get(prefix + name)
-            if not isinstance(value, torch.Tensor) or value.shape != target.shape:
+            if not isinstance(value, torch.Tensor) or value.shape != p.shape:
                 continue  # nn.Module reports missing keys and size mismatches by name
-            state_dict[prefix + name] = shard_like(value, target)
+            state_dict[prefix + name] = shard_like(value, p)
 
 
 def register_state_dict_hooks(state: GroupState, module: nn.Module) -> None:

@@ -1,9 +1,11 @@
 """``summon_full_params``: the whole model's full parameters, for inspection or surgery.
 
 Inside the context every managed parameter is registered on its module(s) as a plain full
-tensor; on exit each rank's rows are copied back into its shard (``writeback``), and the
-sharded DTensors are registered again. All groups are unsharded at once, so this costs the
-memory of the whole model; use it outside forward and backward.
+tensor (a DTensor in its TP layout under tensor parallelism), gathered from the shards as
+``full_state_dict`` gathers them (``runtime/full_gather.py``); on exit each rank's rows are
+copied back into its shard (``writeback``), and the sharded DTensors are registered again. The
+groups stay sharded; their full parameters are all held at once, so this costs the memory of
+the whole model; use it outside forward and backward.
 """
 
 from __future__ import annotations
@@ -15,27 +17,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime.full_gather import gather_full_params
 from ..runtime.params import ShardedParam
 from .model_groups import group_states, reshard_idle
-from .state_dict_hooks import local_part
 
 
-def _exact_full(p: ShardedParam) -> nn.Parameter | None:
-    """For a shard that implements the all-gather extension protocol, its own values gathered (a
-    collective: call on every rank): what the protocol gathers may be a lossy copy (float8)."""
-    if p.extension is None:
-        return None
-    full = p.sharded_param.detach().full_tensor()
-    return nn.Parameter(full, requires_grad=p.requires_grad)
-
-
-def _expose(
-    p: ShardedParam, offload_to_cpu: bool, grad: torch.Tensor | None, exact: nn.Parameter | None
-) -> nn.Parameter:
-    """Register a full parameter for ``p`` on every module that holds it, and return it."""
-    full = p.unsharded_param if exact is None else exact
+def _expose(p: ShardedParam, full: torch.Tensor, offload_to_cpu: bool, grad: torch.Tensor | None) -> nn.Parameter:
+    """Register ``full`` as ``p``'s parameter on every module that holds it, and return it."""
     if offload_to_cpu and full.device.type != "cpu":
-        full = nn.Parameter(full.detach().to("cpu", copy=True), requires_grad=p.requires_grad)
+        full = full.to("cpu", copy=True)
+    full = nn.Parameter(full, requires_grad=p.requires_grad)
     if grad is not None:
         full.grad = grad.to(full.device)
     for place in p.places:
@@ -45,10 +36,10 @@ def _expose(
 
 @torch.no_grad()
 def _write_back(p: ShardedParam, full: nn.Parameter, with_grads: bool) -> None:
-    p.local_tensor().copy_(local_part(full, p.sharded_param))
+    p.local_tensor().copy_(p.shard_of(full))
     sharded_grad = p.sharded_param.grad
     if with_grads and full.grad is not None and sharded_grad is not None:
-        sharded_grad.to_local().copy_(local_part(full.grad, p.sharded_param))
+        sharded_grad.to_local().copy_(p.shard_of(full.grad))
 
 
 @contextmanager
@@ -75,32 +66,24 @@ def summon_full_params(
             "summon_full_params(writeback=True, rank0_only=True) is not supported: only rank 0 "
             "would hold the edited parameters; pass writeback=False"
         )
-    reshard_idle(module, "summon_full_params")  # start from the shards, the source of truth
+    reshard_idle(module, "summon_full_params")  # the modules hold the sharded DTensors again
     keep = not rank0_only or dist.get_rank() == 0
-    states = group_states(module)
     exposed: list[tuple[ShardedParam, nn.Parameter]] = []
     try:
-        for state in states:
+        for state in group_states(module):
+            params = state.group.params
             grads = [
                 p.sharded_param.grad.full_tensor() if with_grads and p.sharded_param.grad is not None else None
-                for p in state.group.params
+                for p in params
             ]
-            state.group.unshard()
-            exact = [_exact_full(p) for p in state.group.params]
-            if not keep:
-                state.group.reshard()
-                continue
-            for p, grad, full in zip(state.group.params, grads, exact):
-                full = _expose(p, offload_to_cpu, grad, full)
-                if full is not p.unsharded_param:
-                    p.free_unsharded()  # the modules hold CPU copies now
-                exposed.append((p, full))
+            fulls = gather_full_params(params, keep=keep, to_all=not rank0_only, as_module=True)
+            if keep:
+                exposed += [(p, _expose(p, full, offload_to_cpu, grad)) for p, full, grad in zip(params, fulls, grads)]
         yield
     finally:
         if writeback:
             for p, full in exposed:
                 _write_back(p, full, with_grads)
-        for _, full in exposed:
-            full.grad = None  # the unsharded parameter's .grad would feed the next reduction
-        for state in states:
-            state.group.reshard()
+        for p, full in exposed:
+            full.grad = None  # full gradients live as long as the context
+            p.use(unsharded=False)

@@ -1,4 +1,4 @@
-"""clip_grad_norm_ and state dicts on every layout the core supports: HSDP, CPU offload, TP, tied groups."""
+"""clip_grad_norm_, state dicts and summon_full_params on every layout the core supports: HSDP, CPU offload, TP, tied groups."""
 
 import copy
 import math
@@ -8,8 +8,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
 
-from fsdp_compose import CPUOffloadPolicy, clip_grad_norm_, full_state_dict, fully_shard, load_full_state_dict
+from fsdp_compose import (
+    CPUOffloadPolicy,
+    clip_grad_norm_,
+    full_state_dict,
+    fully_shard,
+    load_full_state_dict,
+    summon_full_params,
+)
 from tests.composition.test_tensor_parallel import TPLM
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
@@ -67,6 +75,17 @@ def _layout(kind):
             p.to_local().zero_()
     load_full_state_dict(model, full if rank == 0 else None)
     out["reloaded"] = max((model.state_dict()[k].full_tensor() - expected[k]).abs().max().item() for k in expected)
+    # summon: the module's own view (a TP DTensor under TP), gathered like full_state_dict; edits written back
+    with summon_full_params(model):
+        inside = dict(model.named_parameters())
+        out["summoned_types"] = {type(p.data).__name__ for p in inside.values()}
+        whole = {k: p.full_tensor() if isinstance(p, DTensor) else p for k, p in inside.items()}
+        out["summoned"] = max((whole[k] - expected[k]).abs().max().item() for k in inside)
+        with torch.no_grad():
+            for p in inside.values():
+                p.mul_(0.5)
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    out["written_back"] = max((after[k] - expected[k] * 0.5).abs().max().item() for k in expected)
     return out
 
 
@@ -76,3 +95,5 @@ def test_clip_and_state_dicts_on_layout(kind):
         assert r["norm_2.0"] <= 1e-6 and r["norm_inf"] <= 1e-6, r
         assert r["sharded_keys_equal"] and r["rank0_only"], r
         assert r["sharded_values"] == 0.0 and r["full_values"] == 0.0 and r["reloaded"] == 0.0, r
+        assert r["summoned_types"] == ({"DTensor", "Tensor"} if kind == "tp" else {"Tensor"}), r
+        assert r["summoned"] == 0.0 and r["written_back"] == 0.0, r
