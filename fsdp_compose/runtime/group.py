@@ -256,8 +256,7 @@ class ParamGroup:
                     clear_unsharded_grad(p)
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
-                width = reduction.row_bytes // dtype.itemsize
-                flags, padding_rows = self._flag_rows(dtype, present, all_present, reached, width)
+                flags, padding = self._flag_rows(reduction, present, all_present)
                 rows.append(flags)
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 if dtype.itemsize >= 4:
@@ -266,7 +265,7 @@ class ParamGroup:
                     pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
                 accumulate_all = all_present or not self._reads_flags(group)
                 finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
-                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, padding_rows, finish)
+                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, padding, finish)
                 if then is not None and reduction is plan[-1]:  # the group's last reduction: ``then`` follows it
                     issue = partial(_in_turn, issue, then)
                 self.handshakes.submit(REDUCE_SCATTER, reduction.row_bytes, group, self.name_of, issue)
@@ -281,19 +280,19 @@ class ParamGroup:
         return self._reduce_plan
 
     def _issue_reduce_scatter(
-        self, rows: list[torch.Tensor], group, pre_divide: float, padding_rows: torch.Tensor | None, finish: Callable
+        self, rows: list[torch.Tensor], group, pre_divide: float, padding: torch.Tensor | None, finish: Callable
     ) -> None:
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-            comm = self.comm.reduce_scatter
-            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, comm, padding_rows)
+            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter, padding)
         self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), name=self._name_reduce_scatter))
 
     def _flag_rows(
-        self, dtype: torch.dtype, present: list[bool], all_present: bool, reached: int | None, width: int
+        self, reduction: Reduction, present: list[bool], all_present: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """This rank's has-gradient flags, as the flag columns of every rank's row; or, with
         ``reached``, of the first ``reached`` ranks' rows, plus every later rank's whole row (zeros, the
         padding, then the flags) as the table's padding rows. The common all-present case is cached."""
+        dtype, reached = reduction.dtype, reduction.reached
         if all_present:
             cached = self._all_present.get(dtype)
             if cached is not None:
@@ -302,7 +301,7 @@ class ParamGroup:
         if reached is None:
             pair = flags.expand(self.world_size, -1), None
         else:
-            row = torch.cat([flags.new_zeros(width - len(present)), flags])
+            row = torch.cat([flags.new_zeros(reduction.row_bytes // dtype.itemsize - len(present)), flags])
             pair = flags.expand(reached, -1), row.expand(self.world_size - reached, -1)
         if all_present:
             self._all_present[dtype] = pair

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.full_gather import gather_full_params
 from ..runtime.params import ShardedParam
+from .full_gather import gather_full_params
 from .model_groups import group_states, reshard_idle
 
 
