@@ -120,7 +120,7 @@ def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> int | Non
     return value
 
 
-def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, object]) -> None:
+def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
     name = class_name(module)
     if mesh.ndim not in (1, 2):
         raise ValueError(
@@ -129,9 +129,6 @@ def _check_unsupported(module: nn.Module, mesh: DeviceMesh, options: dict[str, o
         )
     if mesh.ndim == 2:
         _check_hsdp_roles(name, mesh.mesh_dim_names)
-    for option, (value, default) in options.items():
-        if value != default:
-            raise NotImplementedError(f"fully_shard({name}, {option}=...): not implemented yet")
 
 
 _NOT_DATA_PARALLEL = ("tp", "cp", "pp", "ep", "tensor", "context", "pipeline", "expert")
@@ -247,7 +244,7 @@ def fully_shard(
                 "dp_mesh_dims=...): an int is not supported with dp_mesh_dims; pass True or False"
             )
         spmd_mesh, mesh = mesh, data_parallel_mesh(class_name(module), mesh, dp_mesh_dims)
-    _check_unsupported(module, mesh, {})
+    _check_mesh(module, mesh)
     validate_policies(class_name(module), mesh.device_type, default_device_type(), mp_policy, offload_policy)
     reshard_after_forward_chosen = reshard_after_forward is not None
     post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)

@@ -2,7 +2,7 @@
 
 Inside the context every managed parameter is registered on its module(s) as a plain full
 tensor (a DTensor in its TP layout under tensor parallelism), gathered from the shards as
-``full_state_dict`` gathers them (``runtime/full_gather.py``); on exit each rank's rows are
+``full_state_dict`` gathers them (``full_gather.py``); on exit each rank's rows are
 copied back into its shard (``writeback``), and the sharded DTensors are registered again. The
 groups stay sharded; their full parameters are all held at once, so this costs the memory of
 the whole model; use it outside forward and backward.
