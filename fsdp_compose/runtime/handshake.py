@@ -16,6 +16,7 @@ tell; a rank that stops altogether is reported as a ``CollectiveError`` naming t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
@@ -36,6 +37,7 @@ from .divergence import (
     collective_text,
     diverged_message,
     entry_line,
+    fold_digest,
 )
 from .handshake_ledger import Entry, Ledgers
 
@@ -196,13 +198,7 @@ class Waiting(NamedTuple):
 
 def _digest(waiting: list[Waiting]) -> tuple[int, int]:
     """How many reduce-scatters wait, and a digest of their groups and sizes (order included)."""
-    digest = 0
-    for reduce in waiting:
-        digest = (digest * 1_000_003 + reduce.uid * 65_537 + reduce.nbytes) % _DIGEST_MODULUS
-    return len(waiting), digest
-
-
-_DIGEST_MODULUS = (1 << 61) - 1
+    return len(waiting), functools.reduce(lambda d, r: fold_digest(d, r.uid, REDUCE_SCATTER, r.nbytes), waiting, 0)
 
 
 def run(exchange: _Exchange, group, name_of: Callable[[int], str]) -> None:

@@ -25,11 +25,10 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from .c10d_direct import ASYNC_MAX_ALL_REDUCE, python_free_tls, wait_named
-from .divergence import MAGIC, ExecutionOrderError, diverged_message, entry_line
+from .divergence import MAGIC, ExecutionOrderError, diverged_message, entry_line, fold_digest
 
 SLOTS = 256  # collectives per round at most: a round closes early when its log is full
 NAMED_RANKS = 8  # ranks an error names
-_MODULUS = (1 << 61) - 1
 FOUND_LATE = (
     "\n(on this backend the handshakes are compared on the device and judged when a step's backward ends, "
     "so the collectives after the first difference already ran)"
@@ -37,13 +36,12 @@ FOUND_LATE = (
 
 
 class Entry:
-    """One recurring handshake: the collective it names, and its term of the round's digest."""
+    """One recurring handshake: the collective it names, and the ledger it is logged in."""
 
-    __slots__ = ("uid", "kind", "nbytes", "ledger", "term")
+    __slots__ = ("uid", "kind", "nbytes", "ledger")
 
     def __init__(self, uid: int, kind: int, nbytes: int, ledger: Ledger) -> None:
         self.uid, self.kind, self.nbytes, self.ledger = uid, kind, nbytes, ledger
-        self.term = ((uid * 8 + kind) * 65_537 + nbytes) % _MODULUS
 
 
 class Ledger:
@@ -62,7 +60,7 @@ class Ledger:
         if len(self.log) == SLOTS:
             self.close_round()
         self.log.append(entry)
-        self.digest = (self.digest * 1_000_003 + entry.term) % _MODULUS
+        self.digest = fold_digest(self.digest, entry.uid, entry.kind, entry.nbytes)
         self.name_of = name_of
 
     def close_round(self) -> None:
