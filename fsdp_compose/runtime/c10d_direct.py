@@ -1,22 +1,12 @@
-"""The default collectives: objects of the ``AllGather`` / ``ReduceScatter`` protocol
-(``fsdp_compose/comm.py``) that call a ``ProcessGroup`` directly, with options built once.
+"""The default collectives: ``AllGather`` / ``ReduceScatter``-protocol objects (``fsdp_compose/comm.py``)
+that call a ``ProcessGroup`` directly with options built once, skipping the argument checks
+``torch.distributed``'s functions run in Python (the runtime's tensors are always plain and dense).
+Tests therefore count collectives by wrapping ``ProcessGroup``'s methods.
 
-Calling ``group.all_gather_single`` and friends skips the argument checks
-``torch.distributed``'s functions run in Python on every call: the runtime's
-tensors are always plain, dense and on the group's device. Tests and benchmarks therefore count
-collectives by wrapping ``ProcessGroup``'s methods, not ``torch.distributed``'s.
-
-Every collective of the runtime is issued inside ``python_free_tls()`` (below), with no Python
-objects in the thread-local state it captures. Every c10d ``Work`` copies the calling thread's
-``at::ThreadLocalState``. During ``loss.backward()`` that state holds a Python object (torch
-stashes a ``contextvars.Context`` in TLS for the autograd engine), and inside activation
-checkpointing it holds the saved-tensor hooks. gloo's worker thread often drops the last
-reference to a finished ``Work``; destroying a Python object there needs the GIL. If the main
-thread is in interpreter shutdown at that moment, CPython ends the worker thread from inside a
-``noexcept`` destructor and the process dies with ``terminate called without an active
-exception`` (SIGABRT) after a successful run. Hiding those objects while a collective is issued
-keeps every ``Work`` free of Python references, so its destruction never needs the GIL (see
-docs/troubleshooting.md).
+Every collective is issued inside ``python_free_tls()``: a c10d ``Work`` copies the caller's
+thread-local state, which in backward holds a Python object (and under checkpointing the
+saved-tensor hooks). gloo's worker thread freeing such a ``Work`` needs the GIL; during
+interpreter shutdown that aborts the process after a successful run (docs/troubleshooting.md).
 """
 
 from __future__ import annotations
@@ -34,8 +24,7 @@ class CollectiveError(RuntimeError):
 
 
 def wait_named(work, what: str | Callable[[], str]) -> None:
-    """``work.wait()``, re-raising a failure (e.g. the process group's timeout) naming ``what``
-    (a string, or a function that builds it only on failure)."""
+    """``work.wait()``, re-raising a failure (e.g. the timeout) naming ``what`` (or what it builds)."""
     try:
         work.wait()
     except RuntimeError as error:
@@ -131,9 +120,7 @@ _push_hooks = _autograd._push_saved_tensors_default_hooks
 
 
 def python_free_tls() -> contextlib.AbstractContextManager:
-    """Temporarily remove the backward's stashed context and any saved-tensor hooks from TLS.
-
-    Outside backward and checkpointing there is nothing to hide: a shared no-op context then."""
+    """Hide the backward's stashed context and any saved-tensor hooks from TLS (else a shared no-op)."""
     if _is_key_in_tls(_CONTEXT_KEY) or _top_hooks(True) is not None:
         return _HidePythonObjects()
     return _NULL

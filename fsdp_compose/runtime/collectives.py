@@ -1,19 +1,9 @@
-"""Batched collectives: one all-gather and one reduce-scatter per group.
+"""Batched collectives: one byte all-gather and one reduce-scatter per dtype and group.
 
-Copy-in concatenates every (padded) local shard, viewed as bytes, into one flat buffer, so a
-group whose parameters have different dtypes still needs one all-gather; copy-out splits the
-gathered ``(world, total_bytes)`` buffer into each parameter's unsharded storage with one kernel.
-Collectives are issued with ``async_op=True`` and waited on only where the data is needed, so
-on gloo the transfer overlaps the main thread's compute. Every buffer and collective goes through
-the group's ``AllGather`` / ``ReduceScatter`` objects (``fsdp_compose/comm.py``): by default
-``c10d_direct``'s, which call the process group directly; a user's, or a transport's
-(``fsdp_compose/transports/``), otherwise.
-
-The group enters two cheap scopes around these: ``grad_off()``, ``torch.no_grad()`` at about half
-its cost (it only saves the grad mode, turns it off and restores it, where ``torch.no_grad`` runs
-several Python frames, a few times per group and step), and ``labelled(kind, group)``, the
-profiler label ``fsdp_compose::all_gather blocks.3`` around each collective step (one flag read
-and a shared null context when no profiler runs).
+Shards travel as bytes, so a group mixing dtypes still needs one all-gather; copy-out splits the
+``(world, total_bytes)`` result with one kernel. Every buffer and collective goes through the
+group's ``AllGather`` / ``ReduceScatter`` objects (``fsdp_compose/comm.py``), issued asynchronously
+and waited where the data is needed. ``grad_off`` and ``labelled`` are the scopes around them.
 """
 
 from __future__ import annotations
@@ -42,11 +32,8 @@ class CommStats:
 
 
 class PendingCollective:
-    """An issued collective; ``finish`` waits and runs the copy-out once.
-
-    ``name`` names it if the wait fails: a string, or a function that builds one (so the
-    message is not formatted on every collective). A plain slotted class: two are made per
-    group and step."""
+    """An issued collective; ``finish`` waits and runs the copy-out once. ``name`` names it if the
+    wait fails: a string, or a function that builds one only then."""
 
     __slots__ = ("work", "on_done", "done", "name")
 
@@ -93,10 +80,8 @@ def all_gather_flat(
 ) -> tuple[object, torch.Tensor]:
     """Start one all-gather of the concatenated pieces; return (work, (world, total) output).
 
-    Several pieces are concatenated straight into this rank's row of the output, which then
-    is the collective's input: no separate copy-in buffer is allocated or held while the
-    gather is in flight. A single piece is sent as it is (no copy at all).
-    ``comm`` (an ``AllGather``-protocol object) allocates the output and runs the collective.
+    The pieces are concatenated straight into this rank's row of the output, which is then the
+    input: no copy-in buffer is held while the gather is in flight (a single piece goes as it is).
     """
     first = pieces[0]
     if numel is None:  # ``numel``: the pieces' total, where the caller knows it already
@@ -132,15 +117,11 @@ def reduce_scatter_rows(
     comm=DIRECT_REDUCE_SCATTER,
     padding_rows: torch.Tensor | None = None,
 ) -> tuple[object, torch.Tensor]:
-    """Start one reduce-scatter (sum) of column blocks; rank r receives row r.
+    """Start one reduce-scatter (sum) of (world, columns) blocks; rank r receives row r.
 
-    Blocks are (world, columns). With ``padding_rows`` (later ranks' rows, alike: a row expanded),
-    they hold only the first ranks' rows and the table's other rows are ``padding_rows``: where every
-    parameter's rows reach only the first ranks, the rest is padding (zeros) and flags, copied
-    in one go rather than padded block by block.
-    Empties ``rows`` once they are copied into the table, so the unsharded gradients they
-    refer to are freed before the output is allocated and while the collective is in flight.
-    ``comm`` (a ``ReduceScatter``-protocol object) allocates input and output and runs it.
+    With ``padding_rows`` the blocks hold only the first ranks' rows (no parameter reaches the
+    later ranks) and the table's other rows are ``padding_rows``, copied in one go. ``rows`` is
+    emptied once copied, so the unsharded gradients are freed while the collective is in flight.
     """
     first, dtype, device = rows[0].shape[0], rows[0].dtype, rows[0].device
     world = first if padding_rows is None else first + padding_rows.shape[0]
@@ -180,7 +161,7 @@ _is_grad_enabled = torch._C.is_grad_enabled
 
 
 class grad_off:  # noqa: N801 - used like torch.no_grad
-    """``with grad_off():`` runs the block with autograd recording off, then restores the mode."""
+    """``torch.no_grad()`` at about half its cost (no Python frames); entered a few times per group and step."""
 
     __slots__ = ("previous",)
 
@@ -205,7 +186,7 @@ def group_name(label: str) -> str:
 
 
 def labelled(kind: str, group) -> contextlib.AbstractContextManager:
-    """``record_function("fsdp_compose::<kind> <module fqn>")`` while a profiler runs, else a no-op."""
+    """``record_function("fsdp_compose::<kind> <module fqn>")`` while a profiler runs, else a shared no-op."""
     if not _autograd_profiler._is_profiler_enabled:
         return _NULL
     return torch.profiler.record_function(f"fsdp_compose::{kind} {group_name(group.label)}")

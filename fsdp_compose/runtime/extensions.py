@@ -1,15 +1,10 @@
 """torch FSDP2's all-gather extension protocol: a shard that decides what travels.
 
-A parameter whose local shard defines ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather``
-(torchao's float8 weights, NF4 QLoRA bases, or a plain tensor with both methods attached)
-chooses its all-gather inputs: any number of tensors of any dtypes (float8 data and a scale,
-packed 4-bit data and its scalers) plus metadata. They travel as bytes inside the group's one
-all-gather, into output tensors kept across steps; ``fsdp_post_all_gather`` builds the unsharded
-parameter from them on the first unshard and refreshes it in place (``out=``) on later ones.
-Resharding frees the outputs' storage and that of the tensors post-all-gather said to free. A codec
-(``quantized_gather.py``), whose parameter does not alias the outputs, frees its 1-byte values
-right after post-all-gather instead (see ``_release_after_post``).
-Gradients stay plain tensors: they are reduced like any other parameter's.
+A local shard defining ``fsdp_pre_all_gather`` and ``fsdp_post_all_gather`` (torchao's float8 and
+NF4 weights) chooses its all-gather inputs, any tensors plus metadata. They travel as bytes in the
+group's one all-gather into outputs kept across steps; post-all-gather builds the unsharded
+parameter from them once, then refreshes it (``out=``). Reshard frees the outputs and what
+post-all-gather named. Gradients stay plain tensors, reduced like any other.
 """
 
 from __future__ import annotations
@@ -48,8 +43,8 @@ def _storage_id(tensor: torch.Tensor) -> int:
 
 
 class GatherExtension:
-    """One parameter's protocol state: the inputs' shapes and dtypes, the persistent outputs and
-    what to free on reshard. ``source`` is the local shard it was made for."""
+    """One parameter's protocol state for the local shard ``source``: the inputs' shapes and dtypes, the
+    persistent outputs and what to free on reshard."""
 
     def __init__(
         self,
@@ -81,9 +76,8 @@ class GatherExtension:
         self._pads: dict[tuple[int, torch.device], torch.Tensor] = {}
 
     def pieces(self, local: torch.Tensor, rows_per_rank: int, local_rows: int, device: torch.device) -> list:
-        """Call pre-all-gather; return this rank's byte pieces (inputs laid out like the shard's rows
-        but short of the padded row count are padded with zero rows, so uneven shards need no
-        self-padding subclass)."""
+        """Call pre-all-gather; return this rank's byte pieces (inputs laid out like the shard's rows are
+        padded with zero rows to the padded count, so uneven shards need no self-padding subclass)."""
         self._rebuild_from = None  # a new gather: its copy-out fills the outputs
         if local.device != device:  # CPU offload: the shard goes to the compute device first
             local = local.to(device, non_blocking=True)
@@ -125,8 +119,7 @@ class GatherExtension:
         return pad
 
     def targets(self, world: int, device: torch.device) -> list[torch.Tensor]:
-        """Give the outputs storage; return each as a (world, width) byte view with its own version
-        counter, so writing the gathered bytes does not bump what autograd saved."""
+        """Give the outputs storage; return (world, width) byte views with their own version counters."""
         if not self.outputs:
             self.outputs = [
                 torch.empty(world * math.prod(s), dtype=d, device=device) for s, d in zip(self.shapes, self.dtypes)
@@ -146,19 +139,16 @@ class GatherExtension:
     def post(
         self, unsharded: nn.Parameter | None, param_dtype: torch.dtype, *, slice_follows: bool = True
     ) -> torch.Tensor | None:
-        """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place.
-
-        ``slice_follows=False``: no ``reshard_after_forward=<int>`` slice will be cut from the outputs
-        before the next gather, so a codec frees them all (see ``_release_after_post``)."""
+        """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place
+        (``slice_follows``: see ``_release_after_post``)."""
         outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
         post = getattr(self.source, POST) if self.codec is None else self.codec.post
         # kept until the next pre-all-gather: after a forward with reshard_after_forward=<int> the
         # backward re-gathers the same inputs within fewer ranks, and post-all-gather needs it again
         metadata = self.metadata
         if unsharded is not None:
-            # storage for what post-all-gather refreshes, given here rather than with the outputs: a
-            # group's parameters are posted one at a time, so one's outputs are freed (see
-            # _release_after_post) before the next one's tensors take their room
+            # storage for what post-all-gather refreshes, given here: parameters are posted one at a
+            # time, so one's outputs are freed before the next one's tensors take their room
             for storage, nbytes in self.freed:
                 if storage.nbytes() != nbytes:
                     storage.resize_(nbytes)
@@ -182,11 +172,9 @@ class GatherExtension:
         return tensor
 
     def _release_after_post(self, weight: torch.Tensor, param_dtype: torch.dtype, slice_follows: bool) -> None:
-        """Free a codec's gathered bytes once dequantized into ``weight``: nothing else reads them,
-        and kept until reshard they sat beside the weight (the root's for the whole step; a block's
-        through its backward, at the activation peak). Where a ``reshard_after_forward=<int>``
-        slice may be cut from them after forward, the scales (1/32 of the 1-byte values at
-        ``block_size=128``) stay and ``targets`` gets the values back from ``weight``."""
+        """Free a codec's gathered bytes once dequantized into ``weight`` (kept, they would sit beside it
+        until reshard). Where a post-forward slice may be cut from them (``slice_follows``) the scales
+        stay and ``targets`` gets the values back from ``weight``."""
         if self.codec is None:
             return
         if not slice_follows:
@@ -222,10 +210,8 @@ def _listing(shapes, dtypes) -> str:
 
 
 def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int, wire: bool = False) -> None:
-    """Refuse, naming the parameter, a tensor subclass the byte all-gather would get wrong: one
-    without the extension protocol (its bytes are not its values), or one with it (or with a
-    quantized wire format) where the protocol's layout is not defined (tensor parallel,
-    ``Shard(d)`` with ``d > 0``)."""
+    """Refuse a tensor subclass without the protocol (its bytes are not its values), or the protocol (or a
+    quantized wire format) where its layout is undefined (tensor parallel, ``Shard(d)`` with ``d > 0``)."""
     where = f"parameter '{fqn}'"
     protocol = has_protocol(source, where)
     if not protocol and is_wrapper_subclass(source) and not isinstance(source, DTensor):
@@ -246,8 +232,7 @@ def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_
 def shard_subclass(
     full: torch.Tensor, fqn: str, dim: int, world: int, rank: int, local_shape: torch.Size, device: torch.device
 ) -> torch.Tensor:
-    """This rank's ``torch.chunk`` of a tensor subclass, copied into ``new_zeros``: the operators
-    torch's FSDP2 uses, so a subclass that implements only those (NF4) shards too."""
+    """This rank's ``torch.chunk`` of a tensor subclass copied into ``new_zeros``: FSDP2's operators (NF4 has only those)."""
     try:
         chunks = torch.chunk(full.detach(), world, dim=dim)
         piece = chunks[rank] if rank < len(chunks) else None

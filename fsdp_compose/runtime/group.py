@@ -32,11 +32,8 @@ from .uids import new_uid
 
 @dataclass(frozen=True)
 class Reduction:
-    """One reduce-scatter of a group: its dtype's parameters and what one rank sends.
-
-    A rank's row is every parameter's padded rows plus one has-gradient flag per parameter.
-    ``reached``: where no parameter's rows reach every rank, the ranks they reach (the table's later
-    rows are padding and flags only, see ``collectives.reduce_scatter_rows``); else None."""
+    """One reduce-scatter of a group: a dtype's parameters; a rank's row is their padded rows plus a
+    has-gradient flag each. ``reached``: the ranks any parameter's rows reach, where fewer than all."""
 
     dtype: torch.dtype
     params: tuple[ShardedParam, ...]
@@ -94,32 +91,28 @@ class ParamGroup:
         self.pending_reduces: list[PendingCollective] = []
         self.comm = comm
 
-    def follow_local_devices(self) -> None:
-        """Re-read the device after deferred initialization materialized the shards."""
+    def refresh(self, params_changed: bool) -> None:
+        """Re-read the parameters after ``refresh.follow_module``: their shards' device (deferred init
+        materialized them) and, if ``params_changed`` (new dtypes or ``requires_grad``), what depends
+        on those. The group must be sharded."""
         for p in self.params:
-            self.device = p.follow_local_device()
-        self.handshakes.follow_device(self.device)
+            self.device = p.refresh()
+        self.handshakes.refresh(self.device)
         self._all_present.clear()
-
-    def rebuild_layout(self) -> None:
-        """Recompute what depends on the parameters' dtypes and ``requires_grad`` after some
-        were adopted anew (``runtime/refresh.py``); the group must be sharded."""
+        if not params_changed:
+            return
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_plan = None
         self.layout = GatherLayout([w for p in self.params for w in p.gather_widths()], self.world_size)
         if self.post_forward is not None:
             self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
-        self._all_present.clear()
         self._partial.clear()
         self._kept = None
 
     # ----- unshard / reshard ------------------------------------------------------------
     def start_unshard(self) -> None:
-        """Issue the all-gather unless the group is unsharded or one is in flight.
-
-        After a forward with ``reshard_after_forward=<int>`` the gather runs within the small
-        group from the slice kept after forward; otherwise across the shard dim from the shards.
-        """
+        """Issue the all-gather unless the group is unsharded or one is in flight: from the shards, or
+        within the small group from the slice kept after a ``reshard_after_forward=<int>`` forward."""
         if self.is_unsharded or self.pending_unshard is not None or not self.params:
             if not self.params:
                 self.is_unsharded = True
@@ -203,10 +196,8 @@ class ParamGroup:
         self.wait_unshard()
 
     def reshard(self, after_forward: bool = False) -> None:
-        """Free the unsharded storage and register the sharded DTensors again.
-
-        ``after_forward`` with a post-forward group keeps this rank's N-way slice for backward.
-        """
+        """Free the unsharded storage and register the shards again (``after_forward`` with a post-forward
+        group keeps this rank's N-way slice for backward)."""
         if self.pending_unshard is not None:
             self.wait_unshard()
         if not self.is_unsharded:
@@ -234,12 +225,10 @@ class ParamGroup:
     def start_reduce(self, all_reduce: bool = True, then: Callable[[], None] | None = None) -> None:
         """Reduce-scatter every trainable parameter's unsharded gradient, one collective per dtype.
 
-        Parameters without a gradient on this rank send zeros, plus a flag, so ranks always
-        issue the same collectives; a parameter no rank produced a gradient for keeps
-        ``.grad`` as it was (``None`` for a fresh step), exactly like an unsharded model.
-        With HSDP and ``all_reduce=False`` the reduced shards are kept as partial sums and
-        folded into the next all-reduced reduction (gradient accumulation across replicas).
-        ``then`` runs once the last of them is issued, which on gloo may be at the next handshake.
+        A parameter without a gradient here sends zeros and a flag, so ranks issue the same collectives
+        and one no rank had a gradient for keeps ``.grad`` as it was. HSDP with ``all_reduce=False``
+        keeps partial sums for the next all-reduced reduction. ``then`` runs once the last is issued
+        (on gloo possibly at the next handshake).
         """
         plan = self.reduce_plan()
         comm = self.comm
@@ -289,9 +278,8 @@ class ParamGroup:
     def _flag_rows(
         self, reduction: Reduction, present: list[bool], all_present: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's has-gradient flags, as the flag columns of every rank's row; or, with
-        ``reached``, of the first ``reached`` ranks' rows, plus every later rank's whole row (zeros, the
-        padding, then the flags) as the table's padding rows. The common all-present case is cached."""
+        """This rank's has-gradient flags as the flag columns of every (or the first ``reached``) rank's
+        row, and with ``reached`` the later ranks' whole rows as padding rows. All-present is cached."""
         dtype, reached = reduction.dtype, reduction.reached
         if all_present:
             cached = self._all_present.get(dtype)
@@ -316,11 +304,9 @@ class ParamGroup:
         accumulate_all: bool,
         reduced: torch.Tensor,
     ) -> None:
-        """``accumulate_all``: every parameter's reduced shard goes into ``.grad`` without reading
-        the summed flags: this rank sent a gradient for every parameter (so every flag is
-        positive), or the backend is not gloo, where the read would be a host sync per
-        reduction; a parameter no rank had a gradient for then gets zeros (what every rank sent)
-        instead of keeping ``.grad`` as it was."""
+        """``accumulate_all``: add every reduced shard without reading the summed flags (this rank sent
+        every gradient, or off gloo, where the read is a host sync: a parameter no rank had a gradient
+        for then gets zeros instead of keeping ``.grad``)."""
         if self.replicate_group is not None:
             earlier = self._partial.pop(reduced.dtype, None)
             if earlier is not None:
@@ -350,13 +336,8 @@ class ParamGroup:
         return reads
 
     def _divisor(self, value: float, dtype: torch.dtype) -> float | torch.Tensor:
-        """``value`` as a 0-dim fp32 CPU tensor for fp32 gradients, else as it is.
-
-        Dividing by a Python number first wraps it into a new tensor on every call; a 0-dim CPU
-        tensor takes the same scalar path through the kernel, so the result is bit-identical. Only
-        fp32, where the number is rounded to fp32 either way; other dtypes keep the number. Kept per
-        group, not per process: a tensor made under one fake mode must not reach another model's.
-        """
+        """``value`` as a cached 0-dim fp32 CPU tensor for fp32 gradients (same kernel path, bit-identical,
+        no new tensor per call), else as it is. Per group: a fake mode's tensor must not reach another model."""
         if dtype != torch.float32:
             return value
         divisor = self._divisors.get(value)
@@ -371,8 +352,7 @@ class ParamGroup:
                 collective.finish()
 
     def discard_step(self) -> None:
-        """After a failed forward/backward: finish in-flight collectives (every rank issued
-        them), drop the gradients they carry and any accumulated ones, and reshard."""
+        """After a failed step: finish in-flight collectives, drop their and accumulated gradients, reshard."""
         self.wait_unshard()
         pending, self.pending_reduces = self.pending_reduces, []
         for collective in pending:

@@ -1,17 +1,12 @@
 """Before each collective, ranks agree on which one they are about to run.
 
-gloo cannot report a collective whose ranks disagree: buffers of different sizes abort the
-process inside gloo, and different collectives hang. So on gloo every all-gather and reduce-scatter
-(and HSDP's all-reduce) is agreed on first: ranks exchange a 48-byte entry (magic, group id, kind,
-bytes, and the reduce-scatters it covers) and, if any differs, every rank raises the same
-``ExecutionOrderError`` naming what each was about to run, before the real collective is issued.
-A reduce-scatter waits for the next handshake on its process group, which covers it by a count
-and a digest and issues it first: one synchronisation point per block, not two. On other backends,
-where a host read is a device sync, only all-gathers are handshaked: logged on the host and agreed
-on by one collective per step (``handshake_ledger.py``).
-``FSDP_COMPOSE_CHECK_ORDER`` picks the mode: ``1`` (default), ``strict`` (reduce-scatters on every
-backend too) or ``0``. docs/schedule.md lists what is caught and the one case no handshake can
-tell; a rank that stops altogether is reported as a ``CollectiveError`` naming the collective.
+On gloo, where mismatched buffers abort the process and different collectives hang, ranks first
+all-gather a 48-byte entry (magic, group id, kind, bytes, and the reduce-scatters it covers); if any
+differs every rank raises the same ``ExecutionOrderError``. A reduce-scatter waits for the next
+handshake on its process group, which covers it by a count and a digest: one synchronisation point
+per block. Elsewhere a handshake is logged on the host and judged once a step (``handshake_ledger.py``).
+``FSDP_COMPOSE_CHECK_ORDER``: ``1`` (default), ``strict`` (reduce-scatters off gloo too) or ``0``;
+docs/schedule.md lists what is caught.
 """
 
 from __future__ import annotations
@@ -54,20 +49,14 @@ def handshake_kinds() -> frozenset[int]:
 
 
 def gloo_handshake_kinds() -> frozenset[int]:
-    """Which collectives get a handshake on gloo: all of them unless the check is off.
-
-    On gloo the handshake is a host-side check before the collective, which is what keeps a
-    divergence from reaching gloo's abort. HSDP's all-reduce across replicas gets one too: ranks of
-    different replicas never meet in a shard group's handshake, so replicas that ran different
-    modules would otherwise sum different groups' gradients."""
+    """Which collectives get a handshake on gloo: all unless the check is off (HSDP's all-reduce too:
+    replicas never meet in a shard group's handshake, and could otherwise sum different groups)."""
     return frozenset() if check_mode() == "0" else frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
 class _Exchange:
-    """The tensors of one recurring gloo handshake, built once and reused every step: this rank's
-    entry, where the all-gathered rows land, what they must equal. One collective, one wait and one
-    comparison; on the CPU the comparison is of bytes, through a numpy view of the received tensor
-    kept with it: no tensor op (``torch.equal`` costs a dispatch)."""
+    """The tensors of one recurring gloo handshake, reused every step: this rank's entry, where the
+    gathered rows land, what they must equal (on the CPU compared as bytes through a numpy view)."""
 
     def __init__(
         self, uid: int, kind: int, nbytes: int, world: int, device: torch.device, waiting: list[Waiting] | None = None
@@ -91,17 +80,9 @@ class _Exchange:
 
 
 class Handshakes:
-    """One group's handshakes, cached per (kind, bytes, process group).
-
-    ``kinds`` are checked on every backend, ``gloo_kinds`` on gloo process groups as well
-    (``handshake_kinds`` and ``gloo_handshake_kinds``). On gloo each is judged on the host
-    before the collective it precedes (``run``); on other backends it goes into its process
-    group's ledger in ``ledgers`` (the root's, shared by the model's groups), judged once a
-    round without a host read per collective (``handshake_ledger.py``). The backend is looked
-    up once per (kind, bytes, process group). The process group is called directly, like the
-    runtime's other collectives (``c10d_direct.py``): tests counting data collectives by wrapping
-    ``torch.distributed``'s functions never see a handshake.
-    """
+    """One group's handshakes, cached per (kind, bytes, process group): ``kinds`` on every backend,
+    ``gloo_kinds`` on gloo as well. On gloo judged on the host before the collective (``run``);
+    elsewhere logged in the root's ``ledgers`` and judged once a round (``handshake_ledger.py``)."""
 
     def __init__(
         self, uid: int, kinds: frozenset[int], device: torch.device, gloo_kinds: frozenset[int] | None = None
@@ -114,7 +95,7 @@ class Handshakes:
         self._exchanges: dict[tuple[int, int, object], _Exchange | Entry | None] = {}
         self.ledgers = Ledgers()  # this group's own until the root's replaces it (``use_ledgers``)
 
-    def follow_device(self, device: torch.device) -> None:
+    def refresh(self, device: torch.device) -> None:
         if device != self.device:
             self.device = device
             self._exchanges.clear()
@@ -127,8 +108,7 @@ class Handshakes:
             self._exchanges.clear()
 
     def _exchange(self, kind: int, nbytes: int, group) -> tuple[object, _Exchange | Entry | None]:
-        """The process group (``None`` is the default one) and the handshake to run before this collective
-        on it, if any: built the first time (none for a one-rank group or an unchecked kind)."""
+        """The process group (``None``: the default) and its handshake for this collective, if any."""
         group = group if group is not None else dist.group.WORLD
         key = (kind, nbytes, group)
         exchange = self._exchanges.get(key, False)
@@ -158,10 +138,9 @@ class Handshakes:
         self._run_covering(kind, nbytes, group, name_of, exchange)
 
     def submit(self, kind: int, nbytes: int, group, name_of: Callable[[int], str], issue: Callable[[], None]) -> None:
-        """Run ``issue`` (which issues a collective of ``kind`` and ``nbytes`` on ``group``) once every rank
-        agreed on it. On gloo a reduce-scatter waits for the next handshake on its process group (the next
-        all-gather's, in backward usually the next block's prefetch, or ``flush``): one handshake then covers
-        both, rather than one per reduce-scatter, each a point where every rank waits for the slowest."""
+        """Run ``issue`` (a collective of ``kind`` and ``nbytes`` on ``group``) once every rank agreed on it.
+        On gloo a reduce-scatter waits for the next handshake on its process group (usually the next
+        block's prefetch, else ``flush``), which then covers both."""
         if kind in self.checked:
             resolved, exchange = self._exchange(kind, nbytes, group)
             if kind == REDUCE_SCATTER and type(exchange) is _Exchange:
@@ -171,15 +150,14 @@ class Handshakes:
         issue()
 
     def flush(self, name_of: Callable[[int], str]) -> None:
-        """Agree on and issue the reduce-scatters still waiting, one handshake per process group (called when a
-        group's backward begins and when backward ends, where no all-gather may follow on their group)."""
+        """Agree on and issue the waiting reduce-scatters, one handshake per process group (when a group's
+        backward begins and when backward ends)."""
         waiting_by_group = self.ledgers.waiting
         while waiting_by_group:
             self._run_covering(ONLY_REDUCES, 0, next(iter(waiting_by_group)), name_of)
 
     def _run_covering(self, kind: int, nbytes: int, group, name_of: Callable, cached: _Exchange | None = None) -> None:
-        """Run the handshake (``cached``, when no reduce-scatter waits on ``group``; else one that covers them),
-        then issue the reduce-scatters it covered."""
+        """Run the handshake (``cached`` unless reduce-scatters wait on ``group``), then issue those."""
         waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
         if waiting or cached is None:
             cached = _Exchange(self.uid, kind, nbytes, group.size(), self.device, waiting)
@@ -213,17 +191,8 @@ def run(exchange: _Exchange, group, name_of: Callable[[int], str]) -> None:
         _raise_diverged(exchange, received.view(-1, FIELDS).tolist(), group, name_of)
 
 
-def _gather(mine: torch.Tensor, group, what: Callable[[], str]) -> torch.Tensor:
-    rows = mine.new_empty(group.size() * mine.numel())
-    with python_free_tls():
-        work = group.all_gather_single(rows, mine, ASYNC_ALL_GATHER)
-    wait_named(work, what)
-    return rows
-
-
 def _handshake_name(uid: int, kind: int, name_of: Callable[[int], str]) -> str:
-    """Names a handshake whose wait failed. Takes no exchange: an exchange holding a function that holds it
-    would be a reference cycle, whose tensors only the cyclic garbage collector frees."""
+    """Names a handshake whose wait failed. Takes no exchange: that would be a reference cycle."""
     if kind == ONLY_REDUCES:
         return "the handshake before the waiting reduce-scatters"
     return f"the handshake before the {KINDS[kind]} of {name_of(uid)}"
@@ -231,13 +200,9 @@ def _handshake_name(uid: int, kind: int, name_of: Callable[[int], str]) -> str:
 
 def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, name_of: Callable[[int], str]) -> None:
     """Every rank got the same ``rows``, so every rank is here: name what each was about to run."""
-    waiting = None
-    if any(row[4] for row in rows):  # gather the waiting reduce-scatters' names too, from every rank alike
-        named = exchange.waiting[:NAMED_REDUCES]
-        flat = [len(exchange.waiting)] + [v for reduce in named for v in (reduce.uid, reduce.nbytes)]
-        flat += [0] * (1 + 2 * NAMED_REDUCES - len(flat))
-        mine = torch.tensor(flat, dtype=torch.int64, device=exchange.mine.device)
-        waiting = _gather(mine, group, exchange.name).view(group.size(), -1).tolist()
+    waiting: list = [None] * group.size()
+    if any(row[4] for row in rows):  # every rank alike: the waiting reduce-scatters, to name them
+        dist.all_gather_object(waiting, [(r.uid, r.nbytes) for r in exchange.waiting[:NAMED_REDUCES]], group=group)
     lines, kinds = [], []
     for i, (rank, (magic, uid, kind, nbytes, count, _)) in enumerate(zip(dist.get_process_group_ranks(group), rows)):
         if magic != MAGIC or (kind not in KINDS and kind != ONLY_REDUCES):
@@ -245,9 +210,7 @@ def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, name_of: 
             continue
         parts = []
         if count:
-            listed = waiting[i]
-            pairs = list(zip(listed[1::2], listed[2::2]))[: min(count, NAMED_REDUCES)]
-            parts += [collective_text(u, REDUCE_SCATTER, b, name_of) for u, b in pairs]
+            parts += [collective_text(u, REDUCE_SCATTER, b, name_of) for u, b in waiting[i]]
             if count > NAMED_REDUCES:
                 parts.append(f"{count - NAMED_REDUCES} more reduce-scatters")
             kinds.append(REDUCE_SCATTER)

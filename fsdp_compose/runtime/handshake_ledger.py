@@ -1,19 +1,12 @@
-"""Handshakes on backends other than gloo: logged on the host per collective, agreed on once a round.
+"""Handshakes off gloo: logged on the host per collective, agreed on once a round.
 
-On an accelerator every host read of a tensor waits for the device, and every extra collective
-is a kernel the compute stream may wait for. So a handshake here issues nothing: it appends the
-collective's (group id, kind, bytes) to its process group's log, a Python list, and folds them
-into a digest. When a round ends (the end of each backward, or a full log) one all-reduce (max) of
-(magic, count, digest) and their negations tells every rank whether all logged the same
-collectives: equal extremes everywhere means all agree, at 48 bytes whatever the world size. Its
-verdict is read on the host at once on the CPU, a round later on an accelerator (a non-blocking
-copy, waited for when the next round closes) and never for a fake tensor, which has no value. On
-a disagreement the ranks exchange their logs (an object all-gather, on that path only) and every
-rank raises the same ``ExecutionOrderError`` naming the first collective where they differed.
-
-What the check cannot do: a collective after a disagreement is issued before the verdict, so
-ranks whose buffers differ in size may hang in it (the process group's timeout then reports it);
-ranks that only run groups of equal size in another order are reported when the round ends.
+On an accelerator a host read waits for the device, so a handshake here issues nothing: it appends
+(group id, kind, bytes) to its process group's log and folds it into a digest. When a round ends
+(each backward's end, or a full log) one all-reduce (max) of (magic, count, digest) and their
+negations, 48 bytes at any world size, tells every rank whether all logged the same. The verdict is
+read at once on the CPU, a round later on an accelerator, never for fake tensors. On a mismatch the
+ranks exchange their logs and raise ``ExecutionOrderError`` naming the first difference. Collectives
+after a difference run before the verdict: mismatched sizes may hang there until the timeout.
 """
 
 from __future__ import annotations

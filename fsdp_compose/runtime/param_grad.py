@@ -1,9 +1,5 @@
-"""One managed parameter's gradient path: autograd's unsharded ``.grad`` in, the sharded ``.grad`` out.
-
-Apart from ``params.py`` (where a parameter's values live) because gradients follow their own
-rules: no-sync micro-batches sum in the reduce dtype, a rank without a gradient sends zero rows,
-and a ``Shard(d)`` gradient is moved to dim-0 layout for the collective and back after it.
-"""
+"""One managed parameter's gradient path: autograd's unsharded ``.grad`` in, the sharded ``.grad`` out
+(no-sync micro-batches sum in the reduce dtype; a rank without a gradient sends zero rows)."""
 
 from __future__ import annotations
 
@@ -42,9 +38,8 @@ def unsharded_grad(p: ShardedParam) -> torch.Tensor | None:
 
 
 def stash_grad(p: ShardedParam) -> None:
-    """After a no-sync backward: move a low-precision unsharded gradient into an accumulator in
-    the reduce dtype, so micro-batches sum in (say) fp32 rather than in bf16. A gradient already
-    in the reduce dtype stays on the parameter; autograd adds to it."""
+    """After a no-sync backward: sum a low-precision unsharded gradient into an accumulator in the
+    reduce dtype (fp32 rather than bf16); one already in the reduce dtype stays for autograd to add to."""
     grad = _autograd_grad(p)
     if grad is None or grad.dtype == p.layout.reduce_dtype:
         return
@@ -63,10 +58,8 @@ def clear_unsharded_grad(p: ShardedParam) -> None:
 
 
 def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None, ranks: int | None = None) -> torch.Tensor:
-    """The unsharded gradient as (ranks, padded_numel) in the reduce dtype, zero-filled as needed.
-
-    ``ranks`` (at least ``data_ranks``; the world size by default) leaves out the rows of later
-    ranks, which are padding only: the caller fills those."""
+    """The unsharded gradient as (ranks, padded_numel) in the reduce dtype, zero-filled (``ranks``: the
+    world by default; fewer leaves later ranks' padding rows to the caller)."""
     dtype = p.layout.reduce_dtype
     ranks = p.world_size if ranks is None else ranks
     if grad is None:

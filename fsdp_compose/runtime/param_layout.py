@@ -1,8 +1,4 @@
-"""Where a managed parameter is registered and how its shard is laid out, and the views built from them.
-
-Plain data and small tensor helpers shared by ``params.py`` (one parameter), ``placement.py``
-(``Shard(d)``), ``refresh.py`` and the API's placement of parameters on meshes.
-"""
+"""Where a managed parameter is registered and how its shard is laid out: plain data and tensor helpers."""
 
 from __future__ import annotations
 
@@ -27,11 +23,8 @@ class ParamPlace:
 
 @dataclass(frozen=True)
 class ParamLayout:
-    """Where and in which dtypes one parameter lives, from the group's policies.
-
-    ``storage_device`` holds the shard, its gradient and (through the optimizer) its state;
-    ``compute_device`` holds the unsharded parameter. They differ only under CPU offload.
-    """
+    """Where and in which dtypes one parameter lives: the shard, its gradient and optimizer state on
+    ``storage_device``, the unsharded parameter on ``compute_device`` (they differ under CPU offload)."""
 
     compute_device: torch.device
     storage_device: torch.device
@@ -49,34 +42,23 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
 
 
 def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
-    """A tensor over ``storage_owner``'s storage with its own version counter.
-
-    Writing through it (copy-out after an all-gather) does not bump the version of the
-    unsharded parameter that autograd saved, which is the point.
-    """
+    """A tensor over ``storage_owner``'s storage with its own version counter: copy-out through it does
+    not bump the version of the unsharded parameter autograd saved."""
     out = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
     return out.set_(storage_owner.untyped_storage(), 0, shape, strides)
 
 
 def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
-    """A DTensor with ``param``'s layout around ``local``, reusing its spec.
-
-    ``DTensor.from_local`` validates and rebuilds the spec through an autograd function on every
-    gradient; the layout here is known to match. Calling ``__new__`` skips ``DTensor.__init__``,
-    which does nothing but pass through a dynamo-disabling wrapper.
-    """
-    return DTensor.__new__(DTensor, local, param._spec, requires_grad=False)  # DTensor.__init__ does nothing
+    """A DTensor with ``param``'s layout around ``local``, reusing its spec (``from_local`` would validate
+    and rebuild it through an autograd function; ``__init__`` does nothing)."""
+    return DTensor.__new__(DTensor, local, param._spec, requires_grad=False)
 
 
 def spmd_layout(
     dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str, dim: int = 0
 ) -> tuple[DeviceMesh, list[Placement]]:
-    """The mesh and placements of a shard: data-parallel alone, or data x tensor parallel.
-
-    A tensor-parallel parameter's local tensor is sharded again on ``dim`` over ``dp_mesh``; the
-    result is described on the mesh both come from. When TP also shards ``dim`` and its mesh dim
-    comes after dp's, TP chunks first, which ``_StridedShard`` expresses.
-    """
+    """The mesh and placements of a shard: data-parallel alone, or data x tensor parallel on the mesh
+    both come from (``_StridedShard`` where TP shards ``dim`` first, on a later mesh dim)."""
     if tp_param is None:
         return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(dim)]
     tp_mesh, (tp_placement,) = tp_param.device_mesh, tp_param.placements
@@ -99,12 +81,8 @@ def spmd_layout(
 
 
 def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor:
-    """The local gradient laid out like the parameter (``spec``) on every mesh dim but data-parallel ones.
-
-    DTensor may return a gradient in another layout than its parameter's (a replicated gradient
-    of a TP-sharded weight); the reduce-scatter needs the parameter's local layout. On the data-
-    parallel dims of a full SPMD mesh the gradient is left as it is: the reduction handles those.
-    """
+    """The local gradient laid out like the parameter (``spec``) on every mesh dim but the data-parallel
+    ones, which the reduction handles (DTensor may return, e.g., a replicated gradient of a TP weight)."""
     if tuple(grad.placements) == tuple(spec.placements):
         return grad._local_tensor
     pairs = enumerate(zip(grad.placements, spec.placements))

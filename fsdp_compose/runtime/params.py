@@ -1,9 +1,7 @@
 """One managed parameter: its shard as a DTensor and its reusable unsharded tensor.
 
-The sharded ``nn.Parameter`` (a DTensor with ``Shard(0)``) is what the optimizer, ``state_dict``
-and ``clip_grad_norm_`` see. The unsharded ``nn.Parameter`` is one persistent object whose
-storage is allocated on unshard and freed on reshard; keeping the object alive means autograd's
-saved references to it see fresh data after a re-unshard in backward.
+The unsharded ``nn.Parameter`` is one object whose storage is allocated on unshard and freed on
+reshard, so autograd's saved references to it see fresh data after a re-unshard in backward.
 """
 
 from __future__ import annotations
@@ -23,13 +21,9 @@ from .quantized_gather import BlockQuantized, wire_format_of
 
 
 class ShardedParam:
-    """Rows ``[rank * rows_per_rank, ...)`` of one parameter, and the means to rebuild it.
-
-    Rows are slices of ``shard_dim`` (0 unless ``shard_placement_fn`` chose another; see
-    ``placement.py``). Shards follow ``torch.chunk`` (as DTensor's ``Shard`` does): every rank holds
-    ``ceil(rows / world)`` rows except at the tail, where shards shrink, possibly to zero rows.
-    Collectives use shards padded to ``rows_per_rank`` rows so every rank sends the same size.
-    """
+    """Rows ``[rank * rows_per_rank, ...)`` of one parameter (slices of ``shard_dim``), and the means to
+    rebuild it. Shards follow ``torch.chunk``, as DTensor's ``Shard`` does (tail shards may be short or
+    empty); collectives pad them to ``rows_per_rank`` rows so every rank sends the same size."""
 
     def __init__(
         self,
@@ -123,14 +117,9 @@ class ShardedParam:
 
     @torch.no_grad()
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of ``full`` as a tensor of its own, where shards live: the one way a full
-        value becomes a shard (``fully_shard``, replaced parameters, loading, deferred init, summon).
-
-        ``full`` is the parameter's whole value: a tensor of the global shape, or for a tensor-parallel
-        parameter also a DTensor in its TP layout (the unsharded parameter); a global tensor is cut to
-        this rank's TP part first, locally. Tensor subclasses are split with ``torch.chunk`` and copied
-        into ``new_zeros``, the operators torch's FSDP2 uses, so a subclass that implements only those
-        shards too. Shards on the meta device (before ``to_empty``) take ``full``'s device."""
+        """This rank's shard of ``full`` (the global value, or a TP parameter's DTensor), where shards
+        live: the one way a full value becomes a shard (``fully_shard``, replaced parameters, loading,
+        deferred init, summon). Meta shards (before ``to_empty``) take ``full``'s device."""
         if self.tp_spec is not None:
             if isinstance(full, DTensor):
                 full = full._local_tensor
@@ -162,8 +151,30 @@ class ShardedParam:
         """The current local shard (the optimizer may have replaced the object)."""
         return self.sharded_param._local_tensor
 
-    def follow_local_device(self) -> torch.device:
-        """Adopt the device the local shard lives on now (after ``to_empty`` from meta)."""
+    def refresh(self, sharded_param: nn.Parameter | None = None, layout: ParamLayout | None = None) -> torch.device:
+        """Re-read the shard; return the device the unsharded parameter computes on.
+
+        With ``sharded_param`` (laid out like the current shard, under ``layout``'s dtypes) it becomes
+        the shard: the user replaced it or converted its dtype (``model.to(torch.float64)``). What was
+        built for the old one (the unsharded parameter, buffers sized for the old gather dtype) is
+        dropped and built anew by the next unshard; the group must be sharded (``runtime/refresh.py``).
+        Either way the layout follows the shard's device (``to_empty`` from meta)."""
+        if sharded_param is not None:
+            self.sharded_param = sharded_param
+            self.dtype = sharded_param.dtype
+            if self.tp_spec is not None and self.tp_spec.tensor_meta.dtype != self.dtype:
+                # the unsharded TP DTensor is rebuilt from this spec: it must carry the new dtype
+                meta = self.tp_spec.tensor_meta._replace(dtype=self.dtype)
+                self.tp_spec = dataclasses.replace(self.tp_spec, tensor_meta=meta)
+            self.requires_grad = sharded_param.requires_grad
+            self.layout = layout
+            self.unsharded_param = None
+            self._gather_target = None
+            self._gather_storage = None
+            self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
+            self._pieces_source, self._pieces = None, []
+            self.accumulated_grad = None
+            self.extension, self._plain_source = None, None
         device = self.local_tensor().device
         if self.layout.compute_device.type == "meta" or self.layout.storage_device.type == "meta":
             compute = device if self.layout.compute_device.type == "meta" else self.layout.compute_device
@@ -173,36 +184,9 @@ class ShardedParam:
             self._pieces_source = None
         return self.layout.compute_device
 
-    def adopt(self, sharded_param: nn.Parameter, layout: ParamLayout) -> None:
-        """Make ``sharded_param`` (laid out like the current shard) this parameter's shard.
-
-        For a shard whose dtype changed (``model.to(torch.float64)``) or that the user replaced:
-        the unsharded parameter and the buffers sized for the old gather dtype are dropped, and
-        the next unshard builds them anew. The group must be sharded (see ``runtime/refresh.py``).
-        """
-        self.sharded_param = sharded_param
-        self.dtype = sharded_param.dtype
-        if self.tp_spec is not None and self.tp_spec.tensor_meta.dtype != self.dtype:
-            # the unsharded TP DTensor is rebuilt from this spec: it must carry the new dtype
-            meta = self.tp_spec.tensor_meta._replace(dtype=self.dtype)
-            self.tp_spec = dataclasses.replace(self.tp_spec, tensor_meta=meta)
-        self.requires_grad = sharded_param.requires_grad
-        self.layout = layout
-        self.unsharded_param = None
-        self._gather_target = None
-        self._gather_storage = None
-        self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
-        self._pieces_source, self._pieces = None, []
-        self.accumulated_grad = None
-        self.extension, self._plain_source = None, None
-
     def gather_pieces(self) -> list[torch.Tensor]:
-        """This rank's all-gather contribution as byte pieces to concatenate.
-
-        The shard is moved to the compute device and cast to the gather dtype once, before
-        the collective (so bf16 halves the bytes moved); without either, the byte views are
-        cached.
-        """
+        """This rank's all-gather contribution as byte pieces, moved and cast to the gather dtype
+        before the collective (bf16 halves the bytes moved); uncast byte views are cached."""
         local = self.sharded_param._local_tensor
         if local is self._pieces_source:  # the shard the cached byte views were made of
             return self._pieces
@@ -245,10 +229,9 @@ class ShardedParam:
         return [self.padded_numel * self.gather_element_size]
 
     def gather_nbytes(self) -> int:
-        """Bytes this rank sends per all-gather: what the protocol sent last, or for a quantized wire
-        format, what it will send (computed locally). A subclass's own pre-all-gather is not asked
-        before the first unshard: it may run a collective (torchao's float8 weights all-reduce their
-        scale), and ``explain`` must stay local, so until then its shard counts as plain bytes."""
+        """Bytes this rank sends per all-gather: what the protocol sent last, or what a quantized wire
+        format will send. A subclass's own pre-all-gather may run a collective (torchao's float8
+        scales), so ``explain`` counts its shard as plain bytes until the first unshard."""
         local = self.local_tensor()
         fresh = self.extension is None and self.unsharded_param is None and local is not self._plain_source
         if fresh and self.wire is not None and not has_protocol(local, self.fqn) and local.device.type != "meta":
@@ -270,21 +253,16 @@ class ShardedParam:
             pieces.append(self._padding.view(torch.uint8))
         return pieces
 
-    # ----- communication layout -----------------------------------------------------------
-    # Collectives see every parameter as split on dim 0; ``Shard(d)`` parameters
-    # (``runtime/placement.py``) override these to move ``d`` to the front and back.
+    # ----- communication layout: collectives see the shard dim first (``placement.py`` moves it) ----
     def to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``tensor`` (laid out like the parameter or its shard) with the shard dim first."""
         return tensor
 
     def from_comm(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Inverse of ``to_comm``: a view laid out like the parameter again."""
         return tensor
 
     def finish_copy_out(self, slice_follows: bool = True) -> None:
-        """Called after the group's copy-out; the gather target already is the parameter here,
-        unless the extension protocol builds the parameter from what was gathered (``slice_follows``:
-        a ``reshard_after_forward=<int>`` slice will be cut from what was gathered)."""
+        """After the group's copy-out: the extension protocol builds or refreshes the parameter from
+        what was gathered (``slice_follows``: a ``reshard_after_forward=<int>`` slice is cut from it)."""
         extension = self.extension
         if extension is None:
             return
@@ -315,10 +293,8 @@ class ShardedParam:
         self._gather_storage = None  # a subclass may replace the target after this
 
     def alloc_unsharded(self) -> torch.Tensor:
-        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target.
-
-        The target's storage object is kept: ``untyped_storage()`` builds a new Python object
-        per call, twice per parameter and step otherwise."""
+        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target (its
+        storage object is kept: ``untyped_storage()`` builds a new Python object per call)."""
         if self.unsharded_param is None:
             self._create_unsharded()
         storage = self._gather_storage
@@ -330,8 +306,7 @@ class ShardedParam:
         return self._gather_target
 
     def alloc_unsharded_rows(self, ranks: int) -> torch.Tensor:
-        """``alloc_unsharded()``'s first ``ranks`` rows (``data_ranks`` or more: every row the
-        parameter reads). The view is kept across steps: resizing the storage keeps it valid."""
+        """``alloc_unsharded()``'s first ``ranks`` rows (every row the parameter reads), kept across steps."""
         target = self.alloc_unsharded()
         kept = self._target_rows
         if kept is None or kept[0] is not target or kept[1] != ranks:

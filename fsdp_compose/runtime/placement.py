@@ -1,11 +1,8 @@
 """``shard_placement_fn``: parameters sharded on a dim other than 0, uneven sizes included.
 
-The user sees ``Shard(d)``: each rank's local tensor is its ``torch.chunk`` of dim ``d``
-(contiguous; trailing ranks may hold fewer slices, or none), and the unsharded parameter is
-an ordinary contiguous tensor. Collectives keep the dim-0 layout the rest of the group uses
-by moving ``d`` to the front: copy-in sends the shard transposed, copy-out lands in a staging
-buffer and is copied once into the parameter, gradients are transposed before the
-reduce-scatter and back after it. Unevenness is then plain dim-0 padding.
+Each rank holds its ``torch.chunk`` of dim ``d``; collectives move ``d`` to the front (copy-in sends
+the shard transposed, copy-out lands in a staging buffer copied once into the contiguous parameter,
+gradients go and come back the same way), so unevenness is plain dim-0 padding.
 """
 
 from __future__ import annotations

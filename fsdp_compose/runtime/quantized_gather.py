@@ -1,16 +1,9 @@
 """Block-quantized weight all-gather (ZeRO++'s qwZ): int8 or float8 bytes plus a scale per block.
 
-A codec for the all-gather extension protocol (``extensions.py``) that needs no tensor subclass:
-each rank pads its shard to the padded row count, flattens it into blocks of ``block_size``
-elements, and sends every block as 1-byte values scaled by the block's absolute maximum (one
-fp32 scale per block). After the gather every rank dequantizes all blocks into the compute
-dtype. The shard itself (the master weight the optimizer steps, what state dicts hold) is never
-quantized; only what travels is. Gradients are unchanged: straight through.
-
-The gathered 1-byte values are read once, by the dequantize; ``GatherExtension`` then frees them
-(``rebuilds``): kept beside the dequantized weight until reshard, they put the quantized step's
-peak above the unquantized one's. Where a ``reshard_after_forward=<int>`` slice is cut from them
-later, ``requantize_into`` gets the same bytes back from the dequantized weight.
+A codec for the all-gather extension protocol (``extensions.py``), no tensor subclass needed: each
+rank sends its padded shard as blocks of ``block_size`` 1-byte values scaled by the block's absolute
+maximum (one fp32 scale each); every rank dequantizes all blocks into the compute dtype. The shard
+(the master weight) is never quantized, only what travels; gradients pass straight through.
 """
 
 from __future__ import annotations
@@ -66,19 +59,16 @@ class BlockQuantized:
         return full, (full,)
 
     def rebuilds(self, param_dtype: torch.dtype) -> bool:
-        """Whether ``requantize_into`` gets the wire bytes back exactly from a weight dequantized into
-        ``param_dtype``: yes where it keeps fp32's exponent range (bf16, fp32, fp64), so a dequantized
-        value is never subnormal and its rounding (at most 2**-9 relative, bf16's) stays far inside
-        half a quantization step (1/254 of the block's largest value for int8, 2**-4 relative for
-        float8's 3-bit mantissa). fp16 may flush small weights: there the bytes are kept instead."""
+        """Whether ``requantize_into`` gets the wire bytes back exactly from a ``param_dtype`` weight: where
+        it keeps fp32's exponent range (rounding at most 2**-9 relative, far inside half a quantization
+        step); fp16 may flush small weights, so there the bytes are kept."""
         return param_dtype in (torch.bfloat16, torch.float32, torch.float64)
 
     def requantize_into(
         self, data: torch.Tensor, scales: torch.Tensor, weight: torch.Tensor, shape: torch.Size
     ) -> None:
-        """Write into ``data`` the 1-byte values every rank sent, from ``weight`` they were dequantized
-        into and the gathered ``scales`` (``shape``: one rank's padded shard); padding is zeros, as
-        sent. A few blocks at a time, like the dequantize."""
+        """Write into ``data`` the 1-byte values every rank sent, from ``weight`` and the gathered ``scales``
+        (``shape``: one rank's padded shard), a few blocks at a time."""
         flat = weight.detach().reshape(-1)
         data.zero_()
         buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=data.device)
@@ -91,10 +81,8 @@ class BlockQuantized:
             data[first : first + n].copy_(values[:n])
 
     def _dequantize_into(self, out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, shape: torch.Size) -> None:
-        """Dequantize into ``out`` a few blocks at a time through one fp32 buffer: the fp32 products
-        never exist for the whole weight at once (8 bytes per element of transients otherwise, at
-        the peak of the backward's re-gather); the values are the same, rounded once from fp32 by
-        ``copy_``."""
+        """Dequantize into ``out`` a few blocks at a time through one fp32 buffer, so fp32 products never
+        exist for the whole weight at once (the backward re-gather's peak)."""
         flat = out.view(-1)
         buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=out.device)
         for at, first, n, block, blocks in self._chunks(flat.numel(), shape, scales.numel()):
@@ -107,9 +95,8 @@ class BlockQuantized:
         return max(1, _CHUNK_ELEMENTS // self.block_size) * self.block_size
 
     def _chunks(self, numel: int, shape: torch.Size, total_blocks: int) -> Iterator[tuple[int, int, int, int, int]]:
-        """Walk a weight of ``numel`` elements (every rank's padded shard of ``shape`` in turn; the
-        last ranks' rows may be cut off) a chunk at a time: (where in the weight, where in the wire
-        data, elements, first block, blocks)."""
+        """Walk a weight of ``numel`` elements (each rank's padded shard of ``shape`` in turn) a chunk at a
+        time: (where in the weight, where in the wire data, elements, first block, blocks)."""
         per_rank, blocks_per_rank = shape.numel(), math.ceil(shape.numel() / self.block_size)
         chunk = self._chunk_elements()
         for rank in range(total_blocks // blocks_per_rank):

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from .state import STEP_FORWARD, GroupState, class_name
+from .schedule import end_step
+from .state import GroupState, class_name
 
 
 def reset_iteration(state: GroupState) -> None:
@@ -22,9 +23,5 @@ def reset_iteration(state: GroupState) -> None:
         s.group.discard_step()
         s.reset_backward()
     if root is not None:
-        root.phase = STEP_FORWARD
         root.reducing.clear()
-        root.forward_order = []
-        root.forward_seen = set()
-        root.post_forward_order = []
-        root.post_forward_index = {}
+        end_step(root, failed=True)

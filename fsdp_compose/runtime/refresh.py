@@ -1,20 +1,12 @@
 """Follow what a sharded module holds now: converted or replaced parameters.
 
-Between ``fully_shard`` and training (and between steps) users change parameters in two ways
-that torch's FSDP2 supports:
-
-- **Conversion** (``model.to(torch.float64)``, ``.double()``, ``.half()``, ``to_empty``):
-  ``nn.Module._apply`` swaps new contents into each sharded DTensor parameter (DTensor is a
-  wrapper subclass, so it swaps with or without
-  ``torch.__future__.set_swap_module_params_on_conversion``). The object stays; its dtype changes.
-- **Replacement** (``module.weight = nn.Parameter(...)``, ``load_state_dict(assign=True)``): the
-  module holds a new object, a plain tensor of the full shape or a DTensor.
-
-``follow_module``, the one entry point for all of this, compares each managed parameter with
-what the module registers, adopts the new shard and dtypes, and follows the shards' device
-(deferred init materializes them); the unsharded buffers are rebuilt on the next unshard. It
-runs at the root's lazy init, after ``_apply`` on an ``FSDPModule``, at an ``unshard()`` before
-the first forward and after ``load_state_dict``.
+Users change parameters after ``fully_shard`` as torch's FSDP2 allows: by conversion
+(``model.to(torch.float64)``, ``to_empty``: ``_apply`` swaps new contents into the DTensor, whose
+dtype or device changes) or by replacement (``module.weight = nn.Parameter(...)``,
+``load_state_dict(assign=True)``: a new full tensor or DTensor). ``follow_module``, the one entry
+point, compares each managed parameter with what the module registers and refreshes the group
+(``ParamGroup.refresh``, ``ShardedParam.refresh``). It runs at the root's lazy init, after
+``_apply``, at an ``unshard()`` before the first forward and after ``load_state_dict``.
 """
 
 from __future__ import annotations
@@ -40,12 +32,6 @@ def follow_module(state: GroupState) -> None:
     group = state.group
     if group.is_unsharded or group.pending_unshard is not None:
         return
-    _adopt_changes(state)
-    group.follow_local_devices()
-
-
-def _adopt_changes(state: GroupState) -> None:
-    group = state.group
     changed = False
     for p in group.params:
         held = _registered(state, p)
@@ -55,12 +41,11 @@ def _adopt_changes(state: GroupState) -> None:
             register_owner(held, state)  # a swap (``_apply``) moved the mark to the discarded object
             continue
         gather_dtype, reduce_dtype = collective_dtypes(held.dtype, state.mp_policy)
-        p.adopt(held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype))
+        p.refresh(held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype))
         p.use(unsharded=False)
         register_owner(held, state)
         changed = True
-    if changed:
-        group.rebuild_layout()
+    group.refresh(changed)
 
 
 def _registered(state: GroupState, p: ShardedParam) -> torch.Tensor:
@@ -127,9 +112,8 @@ def _as_shard(state: GroupState, p: ShardedParam, new: torch.Tensor) -> nn.Param
 
 
 def _in_place_of(new: DTensor, shard: nn.Parameter) -> nn.Parameter:
-    """``new``'s object holding ``shard``, so references taken before (an optimizer built before the
-    first forward) see the shard; ``shard`` itself where torch cannot swap (``new`` is referenced
-    elsewhere, e.g. by autograd). A plain tensor cannot take a DTensor's contents at all."""
+    """``new``'s object holding ``shard``, so earlier references (an optimizer) see the shard; ``shard``
+    itself where torch cannot swap (``new`` is referenced elsewhere, e.g. by autograd)."""
     shard.__dict__.update(new.__dict__)  # the user's attributes stay with the user's object
     try:
         torch.utils.swap_tensors(new, shard)

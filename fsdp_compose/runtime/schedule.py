@@ -1,11 +1,8 @@
 """Execution order, prefetch targets, and issuing the prefetches.
 
-The forward order is recorded over a whole step: a step ends at the root's next forward after
-a backward, so a step with several backward passes (a chunked loss, pipeline micro-batches) is
-one cycle. The first step's order is the reference that forward prefetch follows (taken at
-each end of backward while the first step runs, final when it ends); a later step whose order
-differs is reported once. Backward prefetch follows the post-forward order recorded since the
-previous backward, in reverse, which is the order backward reaches the groups.
+A step ends at the root's next forward after a backward (several backward passes are one step).
+Forward prefetch follows the first step's order (a later step that differs is reported once);
+backward prefetch follows the post-forward order since the previous backward, reversed.
 """
 
 from __future__ import annotations
@@ -58,11 +55,15 @@ def end_backward(root: RootState) -> None:
     root.post_forward_index = {}
 
 
-def end_step(root: RootState) -> None:
-    """Keep the first step's order as the reference; warn once if a later step's differs."""
+def end_step(root: RootState, failed: bool = False) -> None:
+    """Keep the first step's order as the reference; warn once if a later step's differs. A
+    ``failed`` step's order (``reset_iter_state``) is dropped, and so is its backward order."""
     order = root.forward_order
     root.phase = STEP_FORWARD
-    if order:
+    if failed:
+        root.post_forward_order = []
+        root.post_forward_index = {}
+    elif order:
         if not root.reference_final:
             _set_reference(root, order)
             root.reference_final = True
@@ -93,12 +94,8 @@ def _name(order: list[GroupState], index: int) -> str:
 
 
 def unshard_with_prefetch(state: GroupState, targets: list[GroupState]) -> None:
-    """Finish our all-gather (usually prefetched already), then issue the targets'.
-
-    Every rank issues the same all-gathers in the same order, so the prefetched ones move
-    bytes on gloo's threads while this group computes. Issuing them after our copy-out means
-    our gather buffer is freed before theirs is allocated (one group's buffer less at the peak).
-    """
+    """Finish our all-gather (usually prefetched already), then issue the targets', which move while
+    this group computes; after our copy-out, so our buffer is freed before theirs is allocated."""
     state.group.unshard()
     for target in targets:
         target.group.start_unshard()

@@ -1,11 +1,8 @@
 """Backward hooks: pre-backward on forward outputs, post-backward per group, the root's final callback.
 
-A group's post-backward runs once both (a) every trainable parameter's gradient was accumulated
-and (b) every forward call's grad-requiring inputs got their gradient (the identity
-``forward.py`` routes them through tells it), which means no autograd
-node inside the module still needs the unsharded (frozen or trainable) weights. Groups that
-never meet both (unused parameters, frozen subtrees, inputs that need no grad) are finished by
-the root's end-of-backward callback.
+A group's post-backward runs once every trainable parameter's gradient was accumulated and every
+forward call's grad-requiring inputs got theirs (``forward.py``'s identity tells it): then no node
+still needs the unsharded weights, frozen ones included. The end of backward finishes the rest.
 """
 
 from __future__ import annotations

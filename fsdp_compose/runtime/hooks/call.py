@@ -1,13 +1,8 @@
 """A sharded module's call without ``nn.Module``'s general hook loop, when it would run only ours.
 
-``nn.Module._call_impl`` with any hook registered runs a general loop (a closure, the global
-hook tables, the with-kwargs and always-called bookkeeping) that calling the two hooks and
-``forward`` directly skips (priced in docs/benchmarks.md). When fully_shard's two hooks are the
-module's only hooks and no global module hooks exist, ``call_sharded`` runs exactly
-what that loop would: the pre-forward hook, ``forward`` on its arguments, the post-forward hook
-on its output. Anything else (a user's hook, a global hook, JIT tracing) takes ``_call_impl``,
-and so does every call inside a torch.compile region (``FSDPModule._call_impl``), where the
-registered hooks keep dynamo out (``not_traced.py``); here the undecorated hooks run.
+When fully_shard's two hooks are the module's only hooks (no global ones, no JIT tracing, not in a
+compiled region), ``call_sharded`` runs what ``_call_impl``'s loop would: pre-forward hook,
+``forward``, post-forward hook, without the loop's bookkeeping (priced in docs/benchmarks.md).
 """
 
 from __future__ import annotations

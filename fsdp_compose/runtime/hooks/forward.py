@@ -18,11 +18,8 @@ from .not_traced import not_traced
 
 
 def lazy_init(state: GroupState, module: nn.Module) -> None:
-    """Make ``module`` the root of every group in its subtree.
-
-    Everything that can fail runs before anything is assigned, so a failed first forward
-    leaves the model as it was and a second try can succeed.
-    """
+    """Make ``module`` the root of every group in its subtree; what can fail runs before anything is
+    assigned, so a failed first forward leaves the model as it was."""
     found = states_in(module)
     for _, s in found:  # parameters converted or replaced since fully_shard
         follow_module(s)
@@ -46,11 +43,8 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
 
 
 def plain_tensor_args(args: object, kwargs: dict) -> bool:
-    """True when the pytree walk of ``(args, kwargs)`` would find exactly ``args``, in order.
-
-    The common hook call (a plain tuple of tensors, no kwargs) then skips torch's pytree
-    flatten/unflatten, which profiles as a large share of the per-group CPU overhead.
-    """
+    """True when the pytree walk of ``(args, kwargs)`` would find exactly ``args``: the common call then
+    skips pytree's flatten/unflatten (a large share of the per-group CPU overhead)."""
     return not kwargs and type(args) is tuple and all(is_tensor_leaf(a) for a in args)
 
 
@@ -69,16 +63,10 @@ class PostBackwardSignal(torch.autograd.Function):
 
 
 def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-    """Return ``tensors`` routed through autograd nodes whose backward tells ``state`` that this
-    forward call's inputs got their gradients.
-
-    One plain tensor (the usual case) goes through ``view_as`` with a post-hook on its node: a
-    C++ op and a hook instead of a Python ``autograd.Function`` (about half the cost). Several
-    go through one ``PostBackwardSignal``, which fires once all are done. If the module then
-    modifies the view in place, autograd replaces its node and the hook never fires; the
-    group's post-backward then runs at the end of backward (``PostBackwardSignal``'s output
-    refuses in-place modification altogether).
-    """
+    """``tensors`` routed through autograd nodes whose backward tells ``state`` this call's inputs got
+    their gradients: one plain tensor through ``view_as`` with a hook on its node (half the cost of a
+    Python ``autograd.Function``), several through one ``PostBackwardSignal``. A view modified in
+    place loses the hook; the group's post-backward then runs at the end of backward."""
     state.inputs_pending += 1
     if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
         view = tensors[0].view_as(tensors[0])
@@ -179,12 +167,8 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
 
 
 def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
-    """Run ``pre_backward(state)`` when backward reaches ``x``.
-
-    A pre-hook on the node that made ``x`` fires at the same point as a hook on ``x`` (the node
-    is about to run with ``x``'s gradient) and costs one C++ call, where ``Tensor.register_hook``
-    runs a page of Python per output; a leaf output has no node and takes the tensor hook.
-    """
+    """Run ``pre_backward(state)`` when backward reaches ``x``: a pre-hook on ``x``'s node (one C++ call,
+    where ``Tensor.register_hook`` runs a page of Python), or on a leaf the tensor hook."""
     node = x.grad_fn
     if node is not None:
         node.register_prehook(lambda grads, state=state: pre_backward(state))
