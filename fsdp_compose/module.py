@@ -12,7 +12,7 @@ from .module_settings import FSDPModuleSettings
 from .runtime.hooks.call import call_sharded, sole_hooks_state
 from .runtime.hooks.not_traced import dynamo_frame_callback, frame_not_traced
 from .runtime.refresh import follow_module
-from .runtime.state import GroupState, class_name, interface_classes, state_of, states_in
+from .runtime.state import INTERFACE_MARK, GroupState, class_name, state_of, states_in, user_class
 
 
 class UnshardHandle:
@@ -40,13 +40,15 @@ class DeepcopyUnsupportedError(RuntimeError, AssertionError):
 class FSDPModule(FSDPModuleSettings):
     """Interface of every module ``fully_shard`` was called on."""
 
+    _fsdp_compose_interface = True  # state.INTERFACE_MARK: class names skip this class
+
     def __new__(cls, *args, **kwargs):
         """Build the user's class, not the swapped-in FSDP subclass.
 
         Containers create new instances of their own class, e.g. ``sequential[:2]``; such a
         slice has no sharding state of its own, so it must not claim to be an ``FSDPModule``.
         """
-        user_cls = next(c for c in cls.__mro__ if c not in interface_classes)
+        user_cls = user_class(cls)
         instance = user_cls.__new__(user_cls, *args, **kwargs)
         instance.__init__(*args, **kwargs)
         return instance
@@ -154,10 +156,6 @@ class FSDPModule(FSDPModuleSettings):
         self._fsdp_state().is_last_backward = is_last_backward
 
 
-interface_classes.add(FSDPModule)
-interface_classes.add(FSDPModuleSettings)
-
-
 def _state_for_prefetch(module: nn.Module) -> GroupState:
     state = state_of(module)
     if state is None:
@@ -177,10 +175,9 @@ def become_fsdp_module(module: nn.Module) -> None:
         new_cls = type(
             f"FSDP{cls.__name__}",
             (FSDPModule, cls),
-            {"__module__": cls.__module__, "__deepcopy__": _refuse_deepcopy},
+            {"__module__": cls.__module__, "__deepcopy__": _refuse_deepcopy, INTERFACE_MARK: True},
         )
         _fsdp_classes[cls] = new_cls
-        interface_classes.add(new_cls)
     module.__class__ = new_cls
 
 

@@ -26,6 +26,8 @@ from .transports import default_comms
 class FSDPModuleSettings:
     """Methods of ``FSDPModule`` beyond unshard/reshard/sync (see ``module.py``)."""
 
+    _fsdp_compose_interface = True  # state.INTERFACE_MARK: class names skip this class
+
     # provided by FSDPModule
     def _fsdp_state(self) -> GroupState: ...
     def _fsdp_states(self, recurse: bool) -> list[GroupState]: ...

@@ -117,16 +117,18 @@ _module_states: weakref.WeakKeyDictionary[nn.Module, GroupState] = weakref.WeakK
 # keyed by ((rank, world size), uid): ids restart per rank (see uids.py), and threaded ranks share this table
 _states_by_uid: weakref.WeakValueDictionary[tuple[tuple[int, int], int], GroupState] = weakref.WeakValueDictionary()
 _OWNER_ATTR = "_fsdp_compose_owner"
-# FSDPModule and the subclasses fully_shard swaps in (module.py adds them): names skip them
-interface_classes: set[type] = set()
+# set in the own namespace of FSDPModule and of the subclasses fully_shard swaps in: names skip them
+INTERFACE_MARK = "_fsdp_compose_interface"
+
+
+def user_class(cls: type) -> type:
+    """The user's class behind ``cls``: the first in its MRO that is not an FSDP interface class."""
+    return next((c for c in cls.__mro__ if INTERFACE_MARK not in c.__dict__), cls)
 
 
 def class_name(module: nn.Module) -> str:
     """The user's class name, not the FSDP subclass swapped in by fully_shard."""
-    for cls in type(module).__mro__:
-        if cls not in interface_classes:
-            return cls.__name__
-    return type(module).__name__
+    return user_class(type(module)).__name__
 
 
 def state_of(module: nn.Module) -> GroupState | None:
