@@ -14,12 +14,12 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+import fsdp_compose_shm as shm_transport
 from fsdp_compose import fully_shard
 from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
 from fsdp_compose.runtime.divergence import ExecutionOrderError
 from fsdp_compose.runtime.state import state_of
-from fsdp_compose.transports import shm as shm_transport
-from fsdp_compose.transports.shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER
+from fsdp_compose_shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 from tests.runtime.test_collectives import count_collectives
