@@ -111,10 +111,14 @@ class ProcessGroupReduceScatter(ProcessGroupAllocated, DefaultReduceScatter):
 
 
 def default_comms() -> tuple[AllGather, ReduceScatter]:
-    """The collectives ``fully_shard`` gives a group: the process group's own, or with
-    ``FSDP_COMPOSE_TRANSPORT=shm`` those of ``fsdp_compose_shm`` (a plugin: imported by name)."""
-    if os.environ.get(TRANSPORT_ENV) == "shm":
+    """The collectives ``fully_shard`` gives a group, by ``FSDP_COMPOSE_TRANSPORT``: unset, ``gloo`` or
+    ``default``, the process group's own; ``shm``, ``fsdp_compose_shm``'s (a plugin: imported by name).
+    Any other value is refused: a typo would otherwise train silently without the transport."""
+    value = os.environ.get(TRANSPORT_ENV, "")
+    if value == "shm":
         return importlib.import_module("fsdp_compose_shm").comms()
+    if value not in ("", "gloo", "default"):
+        raise ValueError(f"{TRANSPORT_ENV}={value!r}: expected gloo, default, shm or unset (docs/cpu-transport.md)")
     return DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
 
 
