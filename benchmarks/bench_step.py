@@ -38,12 +38,12 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "examples")]
 
 from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
 
+import fsdp_compose_shm as shm_transport  # noqa: E402
 from benchmarks.bench_model import CONFIG, bf16_compute, bf16_policy, shard  # noqa: E402
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
+from fsdp_compose.comm import TRANSPORT_ENV  # noqa: E402
 from fsdp_compose.observe.storage import StorageTracker  # noqa: E402
-from fsdp_compose.transports import TRANSPORT_ENV  # noqa: E402
-from fsdp_compose.transports import shm as shm_transport  # noqa: E402
-from fsdp_compose.transports.shm import segment_bytes  # noqa: E402
+from fsdp_compose_shm import segment_bytes  # noqa: E402
 
 OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved
 OURS_SHM = "ours, shm"  # --transport-shm: ours sharded with FSDP_COMPOSE_TRANSPORT=shm, interleaved

@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from .comm import default_comms
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
@@ -21,7 +22,6 @@ from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.placement import make_sharded_param, resolve_shard_dim
 from .runtime.state import GroupState, class_name, group_label, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
-from .transports import default_comms
 from .whole_model.state_dict_hooks import register_state_dict_hooks
 
 

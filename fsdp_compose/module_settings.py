@@ -17,10 +17,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import deprecated
 
-from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm
+from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm, default_comms
 from .runtime.recovery import reset_iteration
 from .runtime.state import GroupState, class_name, state_of, states_in
-from .transports import default_comms
 
 
 class FSDPModuleSettings:

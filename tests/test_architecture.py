@@ -148,8 +148,8 @@ def test_imports_are_read_from_every_kind_of_import_statement():
     """Spot checks on the real package: a TYPE_CHECKING import, a ``from ..pkg import module``, an ``__init__``."""
     imports = package_imports()
     assert "runtime/group.py" in imports["runtime/post_forward_shard.py"]  # under TYPE_CHECKING
-    assert "runtime/c10d_direct.py" in imports["transports/shm.py"]  # from ..runtime import c10d_direct as direct
-    assert "runtime/__init__.py" not in imports["transports/shm.py"]
+    assert "whole_model/checkpoint_integrity.py" in imports["whole_model/checkpoint.py"]  # from . import ... as
+    assert "whole_model/__init__.py" not in imports["whole_model/checkpoint.py"]
     assert "observe/memory.py" in imports["observe/explain.py"]  # from . import memory, plan
     assert "api.py" in imports["__init__.py"]
 

@@ -51,7 +51,7 @@ def _run(launcher: str) -> tuple[int, str]:
         cmd = _torchrun(LIGHTNING_SCRIPT)
     elif launcher == "lightning, own launcher":  # rank 0 starts rank 1; --reap reports both exit codes
         cmd = [sys.executable, str(LIGHTNING_SCRIPT), "--reap"]
-    elif launcher == "spawn, shm":  # the shared-memory transport (transports/shm.py) on
+    elif launcher == "spawn, shm":  # the shared-memory transport (fsdp_compose_shm) on
         cmd = [sys.executable, str(SHM_SCRIPT)]
     else:
         cmd = [sys.executable, str(SCRIPT)]
@@ -71,7 +71,7 @@ def _run(launcher: str) -> tuple[int, str]:
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun", "spawn, shm"])
 def test_script_exits_zero_every_time(launcher):
     """``spawn, shm``: a quarter of the runs, with ``FSDP_COMPOSE_TRANSPORT=shm``. Without
-    ``transports/shm._let_gloo_threads_finish`` this script aborted at exit in 1 of 12 sequential
+    ``fsdp_compose_shm._let_gloo_threads_finish`` this script aborted at exit in 1 of 12 sequential
     runs (and 0 of 14 two at a time), so it guards the transport's exit path in general more
     than it reproduces that abort; docs/cpu-transport.md gives the runs that did."""
     runs = RUNS // 4 if launcher == "spawn, shm" else RUNS

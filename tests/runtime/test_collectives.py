@@ -29,8 +29,8 @@ WATCHED = [
 
 def _from_handshake() -> bool:
     """The order-check handshake (runtime/handshake.py) and the shared-memory transport's syncs
-    (transports/shm.py) move no parameter data: not data collectives."""
-    return sys._getframe(2).f_code.co_filename.endswith(("handshake.py", "transports/shm.py"))
+    (fsdp_compose_shm/__init__.py) move no parameter data: not data collectives."""
+    return sys._getframe(2).f_code.co_filename.endswith(("handshake.py", "fsdp_compose_shm/__init__.py"))
 
 
 @contextmanager

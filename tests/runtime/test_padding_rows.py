@@ -12,9 +12,9 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import Shard
 
 from fsdp_compose import fully_shard
+from fsdp_compose.comm import TRANSPORT_ENV
 from fsdp_compose.runtime.params import ShardedParam
 from fsdp_compose.runtime.state import states_in
-from fsdp_compose.transports import TRANSPORT_ENV
 from tests.harness import run_on_ranks
 from tests.test_edge_inputs import _parity
 

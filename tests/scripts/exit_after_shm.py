@@ -1,7 +1,7 @@
 """Train with ``FSDP_COMPOSE_TRANSPORT=shm``, destroy the process group and return.
 
 Run by tests/test_clean_exit.py; every run must exit 0. Without the grace period at exit
-(``transports/shm._let_gloo_threads_finish``) about one run in four aborted at exit
+(``fsdp_compose_shm._let_gloo_threads_finish``) about one run in four aborted at exit
 ("terminate called without an active exception"). torch.multiprocessing.spawn, as in the runs
 that showed it.
 """

@@ -7,6 +7,11 @@ rank); where a process group's ranks share one host and its tensors are on the C
 bytes through files under ``/dev/shm``, elsewhere they call the process group. docs/cpu-transport.md
 describes set-up, segments, chunks, growth, a full ``/dev/shm`` and the errors.
 
+It is a package of its own, beside ``fsdp_compose``, because it is CPU-only machinery a job opts
+into: ``fsdp_compose.comm.default_comms`` imports it by name, only under
+``FSDP_COMPOSE_TRANSPORT=shm``, and gives its ``comms()`` to the groups; the core sees nothing but
+``Comm``-protocol objects and never imports this package.
+
 Each rank owns one segment in two halves; collective ``n`` on a group uses half ``n % 2``. A rank
 copies its contribution into its half, then a *sync* (a tiny gloo all-gather of ``[magic, kind,
 bytes, generation, half size]`` per rank) proves every rank wrote and agrees; then each rank
@@ -32,10 +37,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..runtime import c10d_direct as direct
-from ..runtime.divergence import ALL_GATHER, KINDS, MAGIC, REDUCE_SCATTER, ExecutionOrderError, diverged_message
+from fsdp_compose.comm import TRANSPORT_ENV, AllGather, ReduceScatter
+from fsdp_compose.runtime import c10d_direct as direct
+from fsdp_compose.runtime.divergence import (
+    ALL_GATHER,
+    KINDS,
+    MAGIC,
+    REDUCE_SCATTER,
+    ExecutionOrderError,
+    diverged_message,
+)
 
-TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
 CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
 DEFAULT_CHUNK = 8 << 20
 SHM_DIR = "/dev/shm"
@@ -303,6 +315,11 @@ class ShmReduceScatter(direct.DirectReduceScatter):
 
 SHM_ALL_GATHER = ShmAllGather()
 SHM_REDUCE_SCATTER = ShmReduceScatter()
+
+
+def comms() -> tuple[AllGather, ReduceScatter]:
+    """The collectives ``fully_shard`` gives a group under ``FSDP_COMPOSE_TRANSPORT=shm``."""
+    return SHM_ALL_GATHER, SHM_REDUCE_SCATTER
 
 
 # process group -> its transport, or None where set-up fell back to gloo

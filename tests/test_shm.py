@@ -14,13 +14,16 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+import fsdp_compose_shm as shm_transport
 from fsdp_compose import fully_shard
+from fsdp_compose.comm import TRANSPORT_ENV, default_comms
+from fsdp_compose.runtime.c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
 from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
 from fsdp_compose.runtime.divergence import ExecutionOrderError
 from fsdp_compose.runtime.state import state_of
-from fsdp_compose.transports import shm as shm_transport
-from fsdp_compose.transports.shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER
+from fsdp_compose_shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER
 from tests.harness import run_on_ranks
+from tests.messages import message
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 from tests.runtime.test_collectives import count_collectives
 
@@ -44,6 +47,21 @@ def env(**values):
 def our_files() -> list[str]:
     """Files of this process's shm jobs still linked in /dev/shm."""
     return sorted(f for p in shm_transport._prefixes for f in glob.glob(f"{shm_transport.SHM_DIR}/{p}_*"))
+
+
+def test_transport_variable_picks_the_collectives_or_is_refused(monkeypatch):
+    """Unset, empty, ``gloo`` and ``default``: the process group's own; ``shm``: this transport's;
+    anything else (a typo would silently train without the transport) raises, naming the values."""
+    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
+    assert default_comms() == (DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER)
+    for value in ("", "gloo", "default"):
+        monkeypatch.setenv(TRANSPORT_ENV, value)
+        assert default_comms() == (DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER), value
+    monkeypatch.setenv(TRANSPORT_ENV, "shm")
+    assert default_comms() == shm_transport.comms() == (SHM_ALL_GATHER, SHM_REDUCE_SCATTER)
+    monkeypatch.setenv(TRANSPORT_ENV, "SHM")
+    assert_expected_inline(message(default_comms), """\
+ValueError: FSDP_COMPOSE_TRANSPORT='SHM': expected gloo, default, shm or unset (docs/cpu-transport.md)""")
 
 
 def _parity(variant: str, chunk: str = ""):
