@@ -19,7 +19,8 @@ from .runtime.group import ParamGroup
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
-from .runtime.placement import make_sharded_param, resolve_shard_dim
+from .runtime.params import ShardedParam
+from .runtime.placement import DimShardedParam, resolve_shard_dim
 from .runtime.state import GroupState, class_name, group_label, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .whole_model.state_dict_hooks import register_state_dict_hooks
@@ -107,38 +108,36 @@ def _check_one_device(module: nn.Module, names: dict[nn.Parameter, str]) -> torc
     return next(iter(first_by_device), None)
 
 
-def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> int | None:
-    """``reshard_after_forward=<int>``: how many ranks keep the parameters after forward."""
+def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> tuple[bool | None, int | None]:
+    """``reshard_after_forward`` as (whether forward reshards, the ranks that keep a slice after it or None).
+
+    As in torch, an int of 1 keeps everything (False) and the shard group's size is True."""
     if value is None or isinstance(value, bool):
-        return None
+        return value, None
     shard_size = mesh.size(mesh.ndim - 1)
     if not isinstance(value, int) or value < 1 or shard_size % value:
         raise ValueError(
             f"fully_shard({name}, reshard_after_forward={value!r}): pass True, False or a number of ranks "
             f"that divides the shard group size {shard_size} (e.g. the ranks of one node)"
         )
-    return value
-
-
-def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
-    name = class_name(module)
-    if mesh.ndim not in (1, 2):
-        raise ValueError(
-            f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): pass a 1-D mesh (shard) or a 2-D mesh "
-            "(replicate, shard) for HSDP; for tensor parallelism pass the data-parallel sub-mesh"
-        )
-    if mesh.ndim == 2:
-        _check_hsdp_roles(name, mesh.mesh_dim_names)
+    return value > 1, None if value in (1, shard_size) else value
 
 
 _NOT_DATA_PARALLEL = ("tp", "cp", "pp", "ep", "tensor", "context", "pipeline", "expert")
 
 
-def _check_hsdp_roles(name: str, dim_names: tuple[str, ...] | None) -> None:
-    """A 2-D mesh is read as (replicate, shard) by position; refuse one whose names don't say so.
-
-    A mesh built in the other order, or the full (dp, tp) mesh passed instead of its dp dim, would
-    otherwise run HSDP on the wrong axes without a word. torch's FSDP2 also requires dim names."""
+def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
+    """A 1-D mesh, or a 2-D one whose dim names say (replicate, shard), the order it is read in by position:
+    a mesh built in the other order, or the full (dp, tp) mesh, would otherwise run HSDP on the wrong axes
+    without a word. torch's FSDP2 also requires dim names."""
+    name, dim_names = class_name(module), mesh.mesh_dim_names
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): pass a 1-D mesh (shard) or a 2-D mesh "
+            "(replicate, shard) for HSDP; for tensor parallelism pass the data-parallel sub-mesh"
+        )
+    if mesh.ndim == 1:
+        return
     example = "init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
     if dim_names is None:
         raise MeshRoleError(
@@ -247,11 +246,7 @@ def fully_shard(
     _check_mesh(module, mesh)
     validate_policies(class_name(module), mesh.device_type, default_device_type(), mp_policy, offload_policy)
     reshard_after_forward_chosen = reshard_after_forward is not None
-    post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
-    if post_forward_ranks is not None:  # as torch: 1 keeps everything (False), the group size is True
-        reshard_after_forward = post_forward_ranks > 1
-        if post_forward_ranks in (1, mesh.size(mesh.ndim - 1)):
-            post_forward_ranks = None
+    reshard_after_forward, post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
     ignored = set(ignored_params or ())
     places, names = _managed_params(modules, ignored)
     param_device = _check_one_device(module, names)
@@ -265,17 +260,14 @@ def fully_shard(
             spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
             dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
         layout = resolve_layout(param.dtype, device, mp_policy, offload_policy)
-        sharded.append(
-            make_sharded_param(
-                shard_dim, param, places[param], fqn, mesh, layout, spmd=spmd, dp_dims=dp_dims, mp_policy=mp_policy
-            )
-        )
+        cls = DimShardedParam if shard_dim else ShardedParam
+        sharded.append(cls(param, places[param], fqn, mesh, layout, shard_dim, spmd, dp_dims, mp_policy))
 
     # Nothing above changed the model; from here on, commit.
     all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
     comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
     group = ParamGroup(sharded, mesh, device, class_name(module), group_label, comm)
-    if post_forward_ranks is not None and reshard_after_forward:
+    if post_forward_ranks is not None:
         group.set_post_forward_ranks(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
     state = GroupState(
         module=module,
@@ -301,12 +293,7 @@ def fully_shard(
     return module_list
 
 
-def _state_of_sharded(module: nn.Module) -> GroupState | None:
-    """``fully_shard.state(module)``: the state object of the call on ``module`` (as torch's
-    composable APIs offer); one distinct object per ``fully_shard`` call."""
-    return state_of(module)
-
-
-fully_shard.state = _state_of_sharded  # type: ignore[attr-defined]
+# the state object of the call on a module, as torch's composable APIs offer: one per fully_shard call
+fully_shard.state = state_of  # type: ignore[attr-defined]
 
 __all__ = ["fully_shard", "FSDPModule", "DataParallelMeshDims"]

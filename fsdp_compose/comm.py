@@ -13,6 +13,7 @@ Subclassing is optional: any object with these methods works.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -90,10 +91,7 @@ class ProcessGroupAllocated:
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         if self.supported:
-            numel = 1
-            for s in size:
-                numel *= int(s)
-            return self.backend.allocate_tensor(numel, dtype=dtype, device=device)
+            return self.backend.allocate_tensor(math.prod(size), dtype=dtype, device=device)
         return torch.empty(*size, dtype=dtype, device=device)
 
 

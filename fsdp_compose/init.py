@@ -20,7 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .runtime.params import ShardedParam
 from .runtime.state import states_in
 
 
@@ -28,10 +27,6 @@ def _reset(module: nn.Module) -> None:
     reset = getattr(module, "reset_parameters", None)
     if callable(reset):
         reset()
-
-
-def _shards_by_param(model: nn.Module) -> dict[int, ShardedParam]:
-    return {id(sp.sharded_param): sp for _, s in states_in(model) for sp in s.group.params}
 
 
 @torch.no_grad()
@@ -42,7 +37,7 @@ def init_sharded_parameters(model: nn.Module, init_fn: Callable[[nn.Module], Non
     shard's device; after ``init_fn`` this rank's rows are copied into its shard.
     """
     init_fn = init_fn or _reset
-    shards = _shards_by_param(model)
+    shards = {id(sp.sharded_param): sp for _, s in states_in(model) for sp in s.group.params}
     for module in model.modules():
         swapped = []
         for name, param in module._parameters.items():

@@ -21,11 +21,6 @@ Overrides = dict[str, Any]
 Selection = dict[nn.Module, Overrides]
 
 
-def _fully_shard_options() -> set[str]:
-    params = inspect.signature(fully_shard).parameters
-    return {name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-
-
 class WrapPolicy:
     """Base class: ``select`` returns the modules that become groups, with their overrides."""
 
@@ -57,7 +52,8 @@ class CustomPolicy(WrapPolicy):
         self.fn = fn
 
     def select(self, root: nn.Module, ignored_params: set[nn.Parameter]) -> Selection:
-        options = _fully_shard_options()
+        params = inspect.signature(fully_shard).parameters
+        options = {name for name, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
         selected: Selection = {}
         for fqn, module in root.named_modules():
             answer = self.fn(module)

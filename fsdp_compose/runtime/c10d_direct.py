@@ -54,9 +54,6 @@ class CompletedWork:
     def wait(self, timeout=None) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 COMPLETED = CompletedWork()
 

@@ -127,7 +127,10 @@ def reduce_scatter_rows(
     world = first if padding_rows is None else first + padding_rows.shape[0]
     width = sum(r.shape[1] for r in rows)
     buffer = comm.allocate((world * width,), dtype=dtype, device=device)
-    table = _fill_table(rows, padding_rows, buffer.view(world, width))
+    table = buffer.view(world, width)
+    torch.cat(rows, dim=1, out=table if padding_rows is None else table[:first])
+    if padding_rows is not None:
+        table[first:].copy_(padding_rows)
     rows.clear()
     if pre_divide != 1:
         table.div_(pre_divide)
@@ -137,15 +140,6 @@ def reduce_scatter_rows(
     with python_free_tls():
         work = comm(output, buffer, group, op=dist.ReduceOp.SUM, async_op=True)
     return work, output
-
-
-def _fill_table(rows: list[torch.Tensor], padding_rows: torch.Tensor | None, table: torch.Tensor) -> torch.Tensor:
-    """The blocks side by side in ``table``'s first rows, ``padding_rows`` (if any) in the rest."""
-    if padding_rows is None:
-        return torch.cat(rows, dim=1, out=table)
-    torch.cat(rows, dim=1, out=table[: rows[0].shape[0]])
-    table[rows[0].shape[0] :].copy_(padding_rows)
-    return table
 
 
 def all_reduce_sum(tensor: torch.Tensor, group, stats: CommStats) -> None:

@@ -43,7 +43,8 @@ class Reduction:
     @staticmethod
     def of(dtype: torch.dtype, params: list[ShardedParam], world: int) -> Reduction:
         row_bytes = (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize
-        return Reduction(dtype, tuple(params), row_bytes, _fewer_than(max(p.data_ranks for p in params), world))
+        reached = max(p.data_ranks for p in params)
+        return Reduction(dtype, tuple(params), row_bytes, reached if reached < world else None)
 
 
 class ParamGroup:
@@ -167,17 +168,13 @@ class ParamGroup:
                 # later ranks' rows are padding, which no parameter reads: left unwritten (a
                 # post-forward slice keeps rows of other ranks, so it gets them all)
                 skip_padding = self.data_ranks < rows == self.world_size and self.post_forward is None
-                if extended:  # one target per extension input, every row
+                if skip_padding and not extended:
+                    targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
+                    gathered = gathered[: self.data_ranks]
+                else:  # (world, padded bytes) each; one per extension input when extended
                     targets = [t for p in self.params for t in p.gather_targets()]
                     if rows != self.world_size:
                         targets = [t.view(rows, -1) for t in targets]
-                elif skip_padding:
-                    targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
-                    gathered = gathered[: self.data_ranks]
-                elif rows == self.world_size:  # the targets already are (world, padded bytes)
-                    targets = [p.alloc_unsharded() for p in self.params]
-                else:
-                    targets = [p.alloc_unsharded().view(rows, -1) for p in self.params]
                 copy_out(gathered, layout, targets)
                 slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
                 for p in self.params:
@@ -254,9 +251,8 @@ class ParamGroup:
                     pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
                 accumulate_all = all_present or not self._reads_flags(group)
                 finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
-                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, padding, finish)
-                if then is not None and reduction is plan[-1]:  # the group's last reduction: ``then`` follows it
-                    issue = partial(_in_turn, issue, then)
+                last = then if reduction is plan[-1] else None  # ``then`` follows the group's last reduction
+                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, padding, finish, last)
                 self.handshakes.submit(REDUCE_SCATTER, reduction.row_bytes, group, self.name_of, issue)
 
     def reduce_plan(self) -> list[Reduction]:
@@ -269,11 +265,13 @@ class ParamGroup:
         return self._reduce_plan
 
     def _issue_reduce_scatter(
-        self, rows: list[torch.Tensor], group, pre_divide: float, padding: torch.Tensor | None, finish: Callable
+        self, rows: list, group, pre_divide: float, padding: torch.Tensor | None, finish: Callable, then: Callable | None
     ) -> None:
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
             work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter, padding)
         self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), name=self._name_reduce_scatter))
+        if then is not None:
+            then()
 
     def _flag_rows(
         self, reduction: Reduction, present: list[bool], all_present: bool
@@ -360,21 +358,10 @@ class ParamGroup:
             collective.finish()
         self._partial.clear()
         self.handshakes.ledgers.forget()
-        self.reshard()
-        self._kept = None
+        self.reshard()  # drops a kept post-forward slice too
         for p in self.params:
             clear_unsharded_grad(p)
 
 
-def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> None:
-    first()
-    then()
-
-
 def _discard() -> None:
     """Completion of a reduction whose result a recovered step no longer wants."""
-
-
-def _fewer_than(ranks: int, world: int) -> int | None:
-    """``ranks`` if fewer than ``world`` (rows of later ranks are padding only), else None."""
-    return ranks if ranks < world else None

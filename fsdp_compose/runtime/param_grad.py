@@ -78,10 +78,8 @@ def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None, ranks: int | No
 def accumulate_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
     """Add this rank's reduced gradient shard (laid out for the collective: ``comm_local_shape``)
     into the sharded ``.grad``, in the parameter's own dtype and on its storage device."""
-    if p.shard_dim:
+    if p.shard_dim:  # else the collective's layout is the shard's
         local_grad = p.from_comm(local_grad).contiguous()
-    elif local_grad.shape != p.local_shape:
-        local_grad = local_grad.view(p.local_shape)
     current = p.sharded_param.grad
     if current is None:
         if local_grad.dtype != p.dtype or local_grad.device != p.layout.storage_device:

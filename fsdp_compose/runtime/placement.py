@@ -94,9 +94,3 @@ class DimShardedParam(ShardedParam):
         if self.unsharded_param is None:
             return 0
         return super().unsharded_nbytes() + self._unsharded_data.untyped_storage().nbytes()
-
-
-def make_sharded_param(shard_dim: int, *args, **kwargs) -> ShardedParam:
-    """A ``ShardedParam`` for dim 0, a ``DimShardedParam`` otherwise."""
-    cls = DimShardedParam if shard_dim else ShardedParam
-    return cls(*args, shard_dim=shard_dim, **kwargs)

@@ -55,9 +55,8 @@ def maybe_post_backward(state: GroupState) -> None:
 
 
 def post_backward(state: GroupState) -> None:
-    """Reduce-scatter the group's gradients (or keep them, without sync), then reshard."""
-    if state.phase == POST_BACKWARD:
-        return
+    """Reduce-scatter the group's gradients (or keep them, without sync), then reshard; callers check
+    the group has not done so already this step."""
     state.phase = POST_BACKWARD
     group = state.group
     if state.reshard_after_backward:  # the gradients are separate tensors: free the parameters first
