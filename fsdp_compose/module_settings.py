@@ -34,6 +34,10 @@ class FSDPModuleSettings:
     def _fsdp_name(self) -> str:
         return class_name(self)
 
+    def _error(self, text: str, cls: type[Exception] = ValueError) -> Exception:
+        """A ``cls`` whose message names the module: ``Block.<text>``."""
+        return cls(f"{self._fsdp_name()}.{text}")
+
     # ----- recovery ---------------------------------------------------------------------
     def reset_iter_state(self) -> None:
         """Recover after an exception aborted ``forward()`` or ``backward()`` mid-step.
@@ -56,10 +60,7 @@ class FSDPModuleSettings:
         overflow) instead of using NCCL's ``PREMUL_SUM``. Not recursive, as in FSDP2.
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
-            raise ValueError(
-                f"{self._fsdp_name()}.set_gradient_divide_factor({factor!r}): pass a "
-                f"positive finite number"
-            )
+            raise self._error(f"set_gradient_divide_factor({factor!r}): pass a positive finite number")
         self._fsdp_state().group.comm.gradient_divide_factor = float(factor)
 
     @deprecated("Use `set_gradient_divide_factor` instead")
@@ -94,14 +95,15 @@ class FSDPModuleSettings:
         the root's limit, 2.
         """
         if isinstance(max_input_buffers, bool) or not isinstance(max_input_buffers, int):
-            raise TypeError(
-                f"{self._fsdp_name()}.set_reduce_scatter_max_input_buffers: max_input_buffers must be an int, "
-                f"got {type(max_input_buffers).__name__}"
+            raise self._error(
+                "set_reduce_scatter_max_input_buffers: "
+                f"max_input_buffers must be an int, got {type(max_input_buffers).__name__}",
+                TypeError,
             )
         if max_input_buffers < 1:
-            raise ValueError(
-                f"{self._fsdp_name()}.set_reduce_scatter_max_input_buffers: max_input_buffers must be a positive int, "
-                f"got {max_input_buffers}"
+            raise self._error(
+                "set_reduce_scatter_max_input_buffers: "
+                f"max_input_buffers must be a positive int, got {max_input_buffers}"
             )
         for state in self._fsdp_states(recurse):
             state.reduce_buffers = max_input_buffers
@@ -162,8 +164,8 @@ class FSDPModuleSettings:
 
     def _refuse_with_pg_allocation(self, group, method: str) -> None:
         if group.comm.pg_allocation:
-            raise ValueError(
-                f"{self._fsdp_name()}.{method}: cannot be combined with "
+            raise self._error(
+                f"{method}: cannot be combined with "
                 "set_allocate_memory_from_process_group_for_comm(True); turn that off first"
             )
 
@@ -175,22 +177,15 @@ class FSDPModuleSettings:
         CUDA stream; it is refused for HSDP (as in FSDP2) and on CPU (there are no streams).
         """
         if not callable(hook):
-            raise TypeError(
-                f"{self._fsdp_name()}.set_all_reduce_hook: hook must be callable, got "
-                f"{type(hook).__name__}"
-            )
+            raise self._error(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}", TypeError)
         group = self._fsdp_state().group
         if stream is not None:
             if group.replicate_group is not None:
-                raise ValueError(
-                    f"{self._fsdp_name()}.set_all_reduce_hook: stream cannot be set when "
-                    f"using native HSDP"
-                )
+                raise self._error("set_all_reduce_hook: stream cannot be set when using native HSDP")
             if group.device.type == "cpu":
-                raise ValueError(
-                    f"{self._fsdp_name()}.set_all_reduce_hook: stream= needs an accelerator; "
-                    "this group computes on CPU, "
-                    "where the hook runs in program order: leave stream unset"
+                raise self._error(
+                    "set_all_reduce_hook: stream= needs an accelerator; this group "
+                    "computes on CPU, where the hook runs in program order: leave stream unset"
                 )
             hook = _on_stream(hook, stream)
         group.comm.all_reduce_hook = hook
@@ -205,15 +200,12 @@ class FSDPModuleSettings:
         """
         state = self._fsdp_state()
         if state.group.device.type == "cpu":
-            raise ValueError(
-                f"{self._fsdp_name()}.set_post_optim_event: this group computes on CPU, where there are no streams to "
-                "order: the next forward's all-gathers already start after the optimizer step. Drop the call on CPU"
+            raise self._error(
+                "set_post_optim_event: this group computes on CPU, where there are no streams to order: "
+                "the next forward's all-gathers already start after the optimizer step. Drop the call on CPU"
             )
         if not callable(getattr(event, "wait", None)):
-            raise TypeError(
-                f"{self._fsdp_name()}.set_post_optim_event: expected a torch.Event, got "
-                f"{type(event).__name__}"
-            )
+            raise self._error(f"set_post_optim_event: expected a torch.Event, got {type(event).__name__}", TypeError)
         state.group.comm.post_optim_event = event
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
@@ -224,17 +216,14 @@ class FSDPModuleSettings:
         """
         group = self._fsdp_state().group
         if backend != "NCCL":
-            raise ValueError(
-                f"{self._fsdp_name()}.set_symm_mem_for_comm(backend={backend!r}): only "
-                f"'NCCL' is supported"
-            )
+            raise self._error(f"set_symm_mem_for_comm(backend={backend!r}): only 'NCCL' is supported")
         used = dist.get_backend(group.process_group)
         if used != "nccl":
-            raise ValueError(
-                f"{self._fsdp_name()}.set_symm_mem_for_comm: symmetric memory needs the NCCL backend on CUDA; this "
-                f"group's process group uses {used}"
+            raise self._error(
+                "set_symm_mem_for_comm: symmetric memory needs the NCCL "
+                f"backend on CUDA; this group's process group uses {used}"
             )
-        raise NotImplementedError(f"{self._fsdp_name()}.set_symm_mem_for_comm: not implemented in fsdp_compose yet")
+        raise self._error("set_symm_mem_for_comm: not implemented in fsdp_compose yet", NotImplementedError)
 
     def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
         """Allocate collective buffers with the process group's own allocator, if it has one.
@@ -250,9 +239,9 @@ class FSDPModuleSettings:
                 group.comm.pg_allocation = False
             return
         if group.comm.custom:
-            raise ValueError(
-                f"{self._fsdp_name()}.set_allocate_memory_from_process_group_for_comm: cannot be combined with "
-                "set_custom_all_gather / set_custom_reduce_scatter"
+            raise self._error(
+                "set_allocate_memory_from_process_group_for_comm: cannot be "
+                "combined with set_custom_all_gather / set_custom_reduce_scatter"
             )
         if group.comm.pg_allocation:
             return

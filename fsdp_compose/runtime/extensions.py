@@ -232,7 +232,7 @@ def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_
 def shard_subclass(
     full: torch.Tensor, fqn: str, dim: int, world: int, rank: int, local_shape: torch.Size, device: torch.device
 ) -> torch.Tensor:
-    """This rank's ``torch.chunk`` of a tensor subclass copied into ``new_zeros``: FSDP2's operators (NF4 has only those)."""
+    """This rank's ``torch.chunk`` of a tensor subclass copied into ``new_zeros``: FSDP2's operators (all NF4 has)."""
     try:
         chunks = torch.chunk(full.detach(), world, dim=dim)
         piece = chunks[rank] if rank < len(chunks) else None

@@ -265,12 +265,12 @@ class ParamGroup:
         return self._reduce_plan
 
     def _issue_reduce_scatter(
-        self, rows: list, group, pre_divide: float, padding: torch.Tensor | None, finish: Callable, then: Callable | None
+        self, rows: list, group, pre_divide: float, padding: torch.Tensor | None, finish: Callable, then: Callable
     ) -> None:
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
             work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter, padding)
         self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), name=self._name_reduce_scatter))
-        if then is not None:
+        if then is not None:  # the group's last reduction
             then()
 
     def _flag_rows(
