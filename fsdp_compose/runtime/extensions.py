@@ -60,11 +60,11 @@ class GatherExtension:
         # a codec (``quantized_gather.BlockQuantized``) in place of the shard's own methods
         self.codec = codec
         self.fqn = fqn
-        self.mesh = mesh  # the shard mesh (1-D), as FSDP2 passes it
-        self.outer = outer  # the unsharded size and contiguous stride
-        self.module = module
-        self.mp_policy = mp_policy
-        self.takes_five = codec is not None or _arity(source, fqn) == 5
+        # what pre-all-gather is called with: the shard mesh (1-D, as FSDP2 passes it), and in the five-argument
+        # form the unsharded size and contiguous stride, the module and the mixed-precision policy
+        five = codec is not None or _arity(source, fqn) == 5
+        self.pre_args = (mesh, *outer, module, mp_policy) if five else (mesh,)
+        self.row_shape = outer[0][1:]
         self.shapes: list[torch.Size] | None = None  # padded per-rank input shapes
         self.dtypes: list[torch.dtype] = []
         self.widths: list[int] = []  # bytes per rank of each input: the group's columns
@@ -82,19 +82,15 @@ class GatherExtension:
         if local.device != device:  # CPU offload: the shard goes to the compute device first
             local = local.to(device, non_blocking=True)
         pre = getattr(local, PRE) if self.codec is None else partial(self.codec.pre, local)
-        if self.takes_five:
-            inputs, self.metadata = pre(self.mesh, *self.outer, self.module, self.mp_policy)
-        else:
-            inputs, self.metadata = pre(self.mesh)
+        inputs, self.metadata = pre(*self.pre_args)
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
         pieces, shapes = [], []
-        row_shape = self.outer[0][1:]
         for t in inputs:
             shape = t.shape
             pieces.append(t.contiguous().view(-1).view(torch.uint8))
             # laid out like this rank's rows and short of the padded count: pad it (a codec pads itself)
-            short = len(shape) and shape[0] == local_rows < rows_per_rank and shape[1:] == row_shape
+            short = len(shape) and shape[0] == local_rows < rows_per_rank and shape[1:] == self.row_shape
             if short and self.codec is None:
                 row_bytes = math.prod(shape[1:]) * t.dtype.itemsize
                 pieces.append(self._zeros((rows_per_rank - local_rows) * row_bytes, t.device))

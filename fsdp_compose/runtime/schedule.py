@@ -15,9 +15,7 @@ from .state import AFTER_BACKWARD, STEP_FORWARD, GroupState, RootState
 def record_pre_forward(root: RootState, state: GroupState) -> None:
     if state is root.root_module_state and root.phase == AFTER_BACKWARD:
         end_step(root)
-    if state not in root.forward_seen:
-        root.forward_seen.add(state)
-        root.forward_order.append(state)
+    root.forward_order.setdefault(state)
 
 
 def record_post_forward(root: RootState, state: GroupState) -> None:
@@ -58,7 +56,7 @@ def end_backward(root: RootState) -> None:
 def end_step(root: RootState, failed: bool = False) -> None:
     """Keep the first step's order as the reference; warn once if a later step's differs. A
     ``failed`` step's order (``reset_iter_state``) is dropped, and so is its backward order."""
-    order = root.forward_order
+    order = list(root.forward_order)
     root.phase = STEP_FORWARD
     if failed:
         root.post_forward_order = []
@@ -80,11 +78,10 @@ def end_step(root: RootState, failed: bool = False) -> None:
                 "order, so overlap may suffer",
                 stacklevel=2,
             )
-    root.forward_order = []
-    root.forward_seen = set()
+    root.forward_order = {}
 
 
-def _set_reference(root: RootState, order: list[GroupState]) -> None:
+def _set_reference(root: RootState, order) -> None:
     root.reference_forward_order = list(order)
     root.reference_index = {s: i for i, s in enumerate(order)}
 

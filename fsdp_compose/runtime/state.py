@@ -99,8 +99,7 @@ class RootState:
     reduce_limit: int = 2  # reduce-scatters in flight before the oldest is waited for
     reducing: list[GroupState] = field(default_factory=list)
     # execution order (see schedule.py)
-    forward_order: list[GroupState] = field(default_factory=list)
-    forward_seen: set[GroupState] = field(default_factory=set)
+    forward_order: dict[GroupState, None] = field(default_factory=dict)  # first calls, in order
     post_forward_order: list[GroupState] = field(default_factory=list)
     post_forward_index: dict[GroupState, int] = field(default_factory=dict)  # position in post_forward_order
     reference_forward_order: list[GroupState] | None = None
