@@ -18,7 +18,7 @@ import torch.distributed as dist
 from typing_extensions import deprecated
 
 from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm, default_comms
-from .runtime.recovery import reset_iteration
+from .runtime.schedule import end_step
 from .runtime.state import GroupState, class_name, state_of, states_in
 
 
@@ -49,7 +49,18 @@ class FSDPModuleSettings:
         ``optimizer.zero_grad()`` drops gradients that had already been reduced. Raises
         ``RuntimeError`` on a non-root module.
         """
-        reset_iteration(self._fsdp_state())
+        state = self._fsdp_state()
+        root = state.root
+        if root is None:  # before the first forward: the group alone
+            state.group.discard_step()
+            state.reset_backward()
+        elif not state.is_root:
+            raise RuntimeError(
+                f"reset_iter_state() must be called on the root FSDP module; {class_name(state.module)} "
+                f"({state.group.label}) is not the root, {root.root_module_state.group.label} is"
+            )
+        else:
+            end_step(root, failed=True)
 
     # ----- gradient reduction -----------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:

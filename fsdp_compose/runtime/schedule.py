@@ -54,11 +54,17 @@ def end_backward(root: RootState) -> None:
 
 
 def end_step(root: RootState, failed: bool = False) -> None:
-    """Keep the first step's order as the reference; warn once if a later step's differs. A
-    ``failed`` step's order (``reset_iter_state``) is dropped, and so is its backward order."""
+    """Keep the first step's order as the reference; warn once if a later step's differs.
+
+    A ``failed`` step (``reset_iter_state``, after an exception) is dropped instead: every group
+    finishes its in-flight collectives and reshards, and the step's orders and bookkeeping go."""
     order = list(root.forward_order)
     root.phase = STEP_FORWARD
     if failed:
+        for s in root.states:
+            s.group.discard_step()
+            s.reset_backward()
+        root.reducing.clear()
         root.post_forward_order = []
         root.post_forward_index = {}
     elif order:
