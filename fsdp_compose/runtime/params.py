@@ -98,15 +98,19 @@ class ShardedParam:
             ),
             requires_grad=param.requires_grad,
         )
-        self.unsharded_param: nn.Parameter | None = None
         # called with the unsharded parameter after autograd accumulated its gradient
         self.on_grad_accumulated = None
+        self._target_rows: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (target, n, its first n rows)
+        self._gather_nbytes = 0
+        self._forget_built()
+
+    def _forget_built(self) -> None:
+        """Drop what was built for the shard and its gather dtype; the next unshard builds it anew."""
+        self.unsharded_param: nn.Parameter | None = None
         # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
         self._gather_target: torch.Tensor | None = None
-        self._target_rows: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (target, n, its first n rows)
-        self._gather_storage = None  # its storage object and full size, cached by alloc_unsharded
-        self._gather_nbytes = 0
-        self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
+        self._gather_storage = None  # its storage object, cached by alloc_unsharded
+        self._padding = self._zeros(self.padded_numel - self.local_numel, self.layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
         # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (``param_grad.stash_grad``)
@@ -168,13 +172,7 @@ class ShardedParam:
                 self.tp_spec = dataclasses.replace(self.tp_spec, tensor_meta=meta)
             self.requires_grad = sharded_param.requires_grad
             self.layout = layout
-            self.unsharded_param = None
-            self._gather_target = None
-            self._gather_storage = None
-            self._padding = self._zeros(self.padded_numel - self.local_numel, layout.compute_device)
-            self._pieces_source, self._pieces = None, []
-            self.accumulated_grad = None
-            self.extension, self._plain_source = None, None
+            self._forget_built()
         device = self.local_tensor().device
         if self.layout.compute_device.type == "meta" or self.layout.storage_device.type == "meta":
             compute = device if self.layout.compute_device.type == "meta" else self.layout.compute_device

@@ -84,10 +84,12 @@ def _as_shard(state: GroupState, p: ShardedParam, new: torch.Tensor) -> nn.Param
                     f"full shape or a DTensor on the shard's mesh {target.device_mesh}"
                 )
             same_layout = tuple(new.placements) == tuple(target.placements)
-            if same_layout and isinstance(new, nn.Parameter) and _usable_local(p, new._local_tensor):
-                return new  # already a shard like ours: keep the user's object (torch does too)
+            storage, local = p.layout.storage_device, new._local_tensor
+            placed = storage.type == "meta" or local.device == storage
+            if same_layout and isinstance(new, nn.Parameter) and placed and local.shape == p.local_shape:
+                if local.is_contiguous():  # already a shard like ours: keep the user's object (torch does too)
+                    return new
             local = new if same_layout else new.redistribute(target.device_mesh, target.placements)
-            storage = p.layout.storage_device
             local = local._local_tensor.detach().to(new.device if storage.type == "meta" else storage)
             local = local.clone(memory_format=torch.contiguous_format)
             if p.layout.pin_memory:
@@ -121,9 +123,3 @@ def _in_place_of(new: DTensor, shard: nn.Parameter) -> nn.Parameter:
         return shard
     return new
 
-
-def _usable_local(p: ShardedParam, local: torch.Tensor) -> bool:
-    """A local tensor the group can gather from as it is: our shard shape, contiguous, where shards live."""
-    storage = p.layout.storage_device
-    placed = storage.type == "meta" or local.device == storage
-    return local.shape == p.local_shape and local.is_contiguous() and placed
