@@ -39,12 +39,13 @@ def _states(model):
 def build(mode: str):
     """``mode``: a FSDP_COMPOSE_CHECK_ORDER value, or "all-gathers" (the default before issue 24 on gloo:
     handshakes before all-gathers only, so divergence in backward could still reach gloo's abort)."""
-    from fsdp_compose.runtime import group, handshake
+    from fsdp_compose.runtime import handshake
 
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if mode == "all-gathers" else mode
-    gloo_kinds = group.gloo_handshake_kinds
+    kinds = handshake.handshake_kinds
     if mode == "all-gathers":  # read when fully_shard builds each group
-        group.gloo_handshake_kinds = lambda: frozenset((handshake.ALL_GATHER,))
+        all_gathers = frozenset((handshake.ALL_GATHER,))
+        handshake.handshake_kinds = lambda: (all_gathers, all_gathers)
     try:
         torch.manual_seed(0)
         model = GPT(CONFIG)
@@ -52,7 +53,7 @@ def build(mode: str):
             fully_shard(block)
         fully_shard(model)
     finally:
-        group.gloo_handshake_kinds = gloo_kinds
+        handshake.handshake_kinds = kinds
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -76,11 +77,11 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     # the handshake alone, for a bound that machine noise cannot blur: latency x count per step
     from fsdp_compose.runtime.handshake import ALL_GATHER, Handshakes
 
-    handshakes = Handshakes(1, frozenset((ALL_GATHER,)), torch.device("cpu"))
+    handshakes = Handshakes(1, torch.device("cpu"), str, (frozenset((ALL_GATHER,)), frozenset()))
     dist.barrier()
     started = time.perf_counter()
     for _ in range(200):
-        handshakes.check(ALL_GATHER, 1024, None, str)
+        handshakes.check(ALL_GATHER, 1024, None)
     latency = (time.perf_counter() - started) / 200
     gathers = sum(s.group.stats.all_gathers for s in _states(runs["1"][0])) / (args.steps + 1)
     if rank == 0:

@@ -23,7 +23,7 @@ from .collectives import (
 )
 from .comm_options import CommOptions
 from .divergence import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from .handshake import Handshakes, gloo_handshake_kinds, handshake_kinds
+from .handshake import Handshakes
 from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
 from .post_forward_shard import PostForwardShard
@@ -61,8 +61,7 @@ class ParamGroup:
     ) -> None:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
-        self.name_of = name_of  # names any group by its uid (divergence messages name other ranks' groups)
-        self.handshakes = Handshakes(self.uid, handshake_kinds(), device, gloo_handshake_kinds())
+        self.handshakes = Handshakes(self.uid, device, name_of)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
@@ -124,7 +123,7 @@ class ParamGroup:
                 kept, self._kept = self._kept, None
                 extended = self._extension_layout  # post-all-gather runs again on the small group's gather
                 layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
-                self._handshake(ALL_GATHER, kept.numel(), group)
+                self.handshakes.check(ALL_GATHER, kept.numel(), group)
                 with labelled("all_gather", self):
                     work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
             else:
@@ -138,7 +137,7 @@ class ParamGroup:
                     self._extension_layout = extended
                 layout, rows = self.layout, self.world_size
                 nbytes = layout.total
-                self._handshake(ALL_GATHER, nbytes, self.process_group)
+                self.handshakes.check(ALL_GATHER, nbytes, self.process_group)
                 with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                     work, gathered = all_gather_flat(
                         pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, nbytes
@@ -158,9 +157,6 @@ class ParamGroup:
 
     def _name_reduce_scatter(self) -> str:
         return f"the reduce-scatter of {self.label}"
-
-    def _handshake(self, kind: int, nbytes: int, group) -> None:
-        self.handshakes.check(kind, nbytes, group, self.name_of)
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int, extended: bool = False) -> None:
         with grad_off():
@@ -253,7 +249,7 @@ class ParamGroup:
                 finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
                 last = then if reduction is plan[-1] else None  # ``then`` follows the group's last reduction
                 issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, padding, finish, last)
-                self.handshakes.submit(REDUCE_SCATTER, reduction.row_bytes, group, self.name_of, issue)
+                self.handshakes.check(REDUCE_SCATTER, reduction.row_bytes, group, issue)
 
     def reduce_plan(self) -> list[Reduction]:
         """The group's reduce-scatters: one per reduce dtype of its trainable parameters."""
@@ -313,7 +309,7 @@ class ParamGroup:
                 self._partial[reduced.dtype] = reduced
                 return
             with labelled("all_reduce", self):
-                self._handshake(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
+                self.handshakes.check(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
         received = None if accumulate_all else reduced[-len(params) :].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas

@@ -40,18 +40,17 @@ FIELDS = 6  # magic, group id, kind, bytes, then the waiting reduce-scatters: ho
 NAMED_REDUCES = 8  # waiting reduce-scatters an error names per rank
 
 
-def handshake_kinds() -> frozenset[int]:
-    """Which collectives get a handshake on every backend, from ``FSDP_COMPOSE_CHECK_ORDER``."""
+def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
+    """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``: (on every backend, on gloo).
+
+    On gloo all of them unless the check is off: there the handshake, a host-side check before the
+    collective, is what keeps a divergence from reaching gloo's abort (HSDP's all-reduce too: replicas
+    never meet in a shard group's handshake, and could otherwise sum different groups)."""
     mode = check_mode()
     if mode == "0":
-        return frozenset()
-    return frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
-
-
-def gloo_handshake_kinds() -> frozenset[int]:
-    """Which collectives get a handshake on gloo: all unless the check is off (HSDP's all-reduce too:
-    replicas never meet in a shard group's handshake, and could otherwise sum different groups)."""
-    return frozenset() if check_mode() == "0" else frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
+        return frozenset(), frozenset()
+    everywhere = frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
+    return everywhere, frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
 class _Exchange:
@@ -85,13 +84,14 @@ class Handshakes:
     elsewhere logged in the root's ``ledgers`` and judged once a round (``handshake_ledger.py``)."""
 
     def __init__(
-        self, uid: int, kinds: frozenset[int], device: torch.device, gloo_kinds: frozenset[int] | None = None
+        self, uid: int, device: torch.device, name_of: Callable[[int], str], kinds: tuple | None = None
     ) -> None:
         self.uid = uid
-        self.kinds = kinds  # checked on every backend
-        self.gloo_kinds = kinds if gloo_kinds is None else kinds | gloo_kinds  # checked on gloo
-        self.checked = self.kinds | self.gloo_kinds
+        everywhere, on_gloo = kinds if kinds is not None else handshake_kinds()
+        self.kinds = everywhere  # checked on every backend
+        self.gloo_kinds = everywhere | on_gloo  # checked on gloo: every kind checked at all
         self.device = device
+        self.name_of = name_of  # names any group by its uid (messages name other ranks' groups)
         self._exchanges: dict[tuple[int, int, object], _Exchange | Entry | None] = {}
         self.ledgers = Ledgers()  # this group's own until the root's replaces it (``use_ledgers``)
 
@@ -115,7 +115,7 @@ class Handshakes:
         if exchange is False:
             world = group.size()
             gloo = dist.get_backend(group) == "gloo"
-            if kind not in self.checked or world <= 1 or kind not in (self.gloo_kinds if gloo else self.kinds):
+            if world <= 1 or kind not in (self.gloo_kinds if gloo else self.kinds):
                 exchange = None
             elif gloo:
                 exchange = _Exchange(self.uid, kind, nbytes, world, self.device)
@@ -124,44 +124,36 @@ class Handshakes:
             self._exchanges[key] = exchange
         return group, exchange
 
-    def check(self, kind: int, nbytes: int, group, name_of: Callable[[int], str]) -> None:
-        """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective
-        (and, on gloo, the same waiting reduce-scatters, which are then issued first)."""
-        if kind not in self.checked:
-            return
-        group, exchange = self._exchange(kind, nbytes, group)
-        if exchange is None:
-            return
-        if type(exchange) is Entry:
-            exchange.ledger.record(exchange, name_of)
-            return
-        self._run_covering(kind, nbytes, group, name_of, exchange)
+    def check(self, kind: int, nbytes: int, group, issue: Callable[[], None] | None = None) -> None:
+        """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective, then
+        run ``issue`` (which issues it), if given. On gloo a reduce-scatter's ``issue`` waits for the next
+        handshake on its process group (usually the next block's prefetch, else ``flush``), which then
+        covers both: the waiting reduce-scatters must agree too, and are issued first."""
+        if kind in self.gloo_kinds:
+            group, exchange = self._exchange(kind, nbytes, group)
+            if type(exchange) is Entry:
+                exchange.ledger.record(exchange, self.name_of)
+            elif exchange is not None:
+                if kind == REDUCE_SCATTER and issue is not None:
+                    self.ledgers.waiting.setdefault(group, []).append(Waiting(self.uid, nbytes, issue))
+                    return
+                self._run_covering(kind, nbytes, group, exchange)
+        if issue is not None:
+            issue()
 
-    def submit(self, kind: int, nbytes: int, group, name_of: Callable[[int], str], issue: Callable[[], None]) -> None:
-        """Run ``issue`` (a collective of ``kind`` and ``nbytes`` on ``group``) once every rank agreed on it.
-        On gloo a reduce-scatter waits for the next handshake on its process group (usually the next
-        block's prefetch, else ``flush``), which then covers both."""
-        if kind in self.checked:
-            resolved, exchange = self._exchange(kind, nbytes, group)
-            if kind == REDUCE_SCATTER and type(exchange) is _Exchange:
-                self.ledgers.waiting.setdefault(resolved, []).append(Waiting(self.uid, nbytes, issue))
-                return
-            self.check(kind, nbytes, group, name_of)
-        issue()
-
-    def flush(self, name_of: Callable[[int], str]) -> None:
+    def flush(self) -> None:
         """Agree on and issue the waiting reduce-scatters, one handshake per process group (when a group's
         backward begins and when backward ends)."""
         waiting_by_group = self.ledgers.waiting
         while waiting_by_group:
-            self._run_covering(ONLY_REDUCES, 0, next(iter(waiting_by_group)), name_of)
+            self._run_covering(ONLY_REDUCES, 0, next(iter(waiting_by_group)))
 
-    def _run_covering(self, kind: int, nbytes: int, group, name_of: Callable, cached: _Exchange | None = None) -> None:
+    def _run_covering(self, kind: int, nbytes: int, group, cached: _Exchange | None = None) -> None:
         """Run the handshake (``cached`` unless reduce-scatters wait on ``group``), then issue those."""
         waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
         if waiting or cached is None:
             cached = _Exchange(self.uid, kind, nbytes, group.size(), self.device, waiting)
-        run(cached, group, name_of)
+        run(cached, group, self.name_of)
         for reduce in waiting or ():
             reduce.issue()
 

@@ -119,7 +119,7 @@ class Ledgers:
 
     def __init__(self) -> None:
         self.by_group: dict[object, Ledger] = {}
-        # gloo: per process group, reduce-scatters waiting for its next handshake (``handshake.Handshakes.submit``)
+        # gloo: per process group, reduce-scatters waiting for its next handshake (``handshake.Handshakes.check``)
         self.waiting: dict[object, list] = {}
 
     def ledger(self, group, device: torch.device) -> Ledger:

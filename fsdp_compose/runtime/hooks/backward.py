@@ -80,7 +80,7 @@ def _bound_reductions(state: GroupState) -> None:
 def flush_reduces(root: RootState) -> None:
     """Issue the reduce-scatters waiting for a handshake (on gloo they wait for the next one on their group)."""
     if root.ledgers.waiting:
-        root.root_module_state.group.handshakes.flush(root.root_module_state.group.name_of)
+        root.root_module_state.group.handshakes.flush()
 
 
 def end_of_backward(root: RootState) -> None:
