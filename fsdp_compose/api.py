@@ -266,9 +266,10 @@ def fully_shard(
     # Nothing above changed the model; from here on, commit.
     all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
     comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
-    group = ParamGroup(sharded, mesh, device, class_name(module), group_label, comm)
+    post_forward = None
     if post_forward_ranks is not None:
-        group.set_post_forward_ranks(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
+        post_forward = (post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
+    group = ParamGroup(sharded, mesh, device, class_name(module), group_label, comm, post_forward)
     state = GroupState(
         module=module,
         modules=modules,

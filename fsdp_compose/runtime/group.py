@@ -26,7 +26,6 @@ from .divergence import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
 from .handshake import Handshakes
 from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
-from .post_forward_shard import PostForwardShard
 from .uids import new_uid
 
 
@@ -58,6 +57,7 @@ class ParamGroup:
         label: str,
         name_of: Callable[[int], str],
         comm: CommOptions,
+        post_forward: tuple[int, object] | None = None,
     ) -> None:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
@@ -65,7 +65,6 @@ class ParamGroup:
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
-        self.mesh = mesh
         self.device = device
         self._all_present: dict = {}  # reduce dtype -> its cached flag rows (and padding rows)
         self._flag_reads: dict[object, bool] = {}  # reduce process group -> whether its flags are read back
@@ -78,8 +77,9 @@ class ParamGroup:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.dp_size = mesh.size()
         self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
-        # reshard_after_forward=<int>: after forward keep an N-way slice, re-gather within N ranks
-        self.post_forward: PostForwardShard | None = None
+        # reshard_after_forward=<int>: (N, the N-rank process group) that keeps an N-way slice of every
+        # gathered column after forward and re-gathers it in backward (N consecutive ranks, e.g. one node)
+        self.post_forward = post_forward
         self._kept: torch.Tensor | None = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
         self._extension_layout = False  # ``layout`` has a column per extension input (see start_unshard)
@@ -104,8 +104,6 @@ class ParamGroup:
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_plan = None
         self.layout = GatherLayout([w for p in self.params for w in p.gather_widths()], self.world_size)
-        if self.post_forward is not None:
-            self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
         self._partial.clear()
         self._kept = None
 
@@ -117,40 +115,31 @@ class ParamGroup:
             if not self.params:
                 self.is_unsharded = True
             return
-        extended = False
         with grad_off():
-            if self._kept is not None:
-                kept, self._kept = self._kept, None
+            if self._kept is not None:  # within the small group, from the slice kept after forward
+                pieces, self._kept = [self._kept], None
                 extended = self._extension_layout  # post-all-gather runs again on the small group's gather
-                layout, group, rows = self.post_forward.layout, self.post_forward.process_group, self.post_forward.ranks
-                self.handshakes.check(ALL_GATHER, kept.numel(), group)
-                with labelled("all_gather", self):
-                    work, gathered = all_gather_flat([kept], layout, group, self.stats, self.comm.all_gather)
+                rows, group = self.post_forward
+                layout = GatherLayout([size * self.world_size // rows for size in self.layout.sizes], rows)
             else:
+                extended, pieces = False, []
                 with labelled("copy_in", self):  # casts/moves shards where needed; no concatenation here
-                    pieces = []
                     for p in self.params:
                         pieces.extend(p.gather_pieces())
                         extended = extended or p.extension is not None
-                if extended or self._extension_layout:  # the protocol chose this step's inputs
-                    self._follow_extension_widths()
+                if extended or self._extension_layout:  # the protocol chose this step's inputs (columns)
+                    widths = [w for p in self.params for w in p.gather_widths()]
+                    if widths != self.layout.sizes:
+                        self.layout = GatherLayout(widths, self.world_size)
                     self._extension_layout = extended
-                layout, rows = self.layout, self.world_size
-                nbytes = layout.total
-                self.handshakes.check(ALL_GATHER, nbytes, self.process_group)
-                with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
-                    work, gathered = all_gather_flat(
-                        pieces, layout, self.process_group, self.stats, self.comm.all_gather, self.rank, nbytes
-                    )
+                layout, group, rows = self.layout, self.process_group, self.world_size
+            self.handshakes.check(ALL_GATHER, layout.total, group)
+            with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
+                work, gathered = all_gather_flat(
+                    pieces, layout, group, self.stats, self.comm.all_gather, self.rank, layout.total
+                )
         finish = partial(self._finish_unshard, gathered, layout, rows, extended)
         self.pending_unshard = PendingCollective(work, finish, name=self._name_all_gather)
-
-    def _follow_extension_widths(self) -> None:
-        widths = [w for p in self.params for w in p.gather_widths()]
-        if widths != self.layout.sizes:
-            self.layout = GatherLayout(widths, self.world_size)
-            if self.post_forward is not None:  # its slices follow the columns
-                self.post_forward = PostForwardShard(self, self.post_forward.ranks, self.post_forward.process_group)
 
     def _name_all_gather(self) -> str:
         return f"the all-gather of {self.label}"
@@ -197,8 +186,9 @@ class ParamGroup:
             self._kept = self._kept if after_forward else None
             return
         if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
+            ranks, index = self.post_forward[0], self.rank % self.post_forward[0]  # this rank's N-way slice
             with grad_off():
-                self._kept = self.post_forward.keep([t for p in self.params for t in p.gathered_rows()])
+                self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.gathered_rows()])
         else:
             self._kept = None
         for p in self.params:
@@ -210,9 +200,6 @@ class ParamGroup:
         """Bytes held for unsharded use now: gathered parameters, or the post-forward slice."""
         kept = self._kept.numel() if self._kept is not None else 0
         return kept + sum(p.unsharded_nbytes() for p in self.params)
-
-    def set_post_forward_ranks(self, ranks: int, process_group) -> None:
-        self.post_forward = PostForwardShard(self, ranks, process_group)
 
     # ----- gradients --------------------------------------------------------------------
     def start_reduce(self, all_reduce: bool = True, then: Callable[[], None] | None = None) -> None:
