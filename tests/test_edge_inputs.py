@@ -158,7 +158,7 @@ def test_structured_outputs_keyword_inputs_and_tensorless_modules():
 
     Found here: a tensor inside a dataclass output got no pre-backward hook (pytree does not
     enter dataclasses), so backward hit freed parameters ("setStorage: ... storage of size
-    0"); runtime/output_tensors.py now walks dataclass fields, as torch's FSDP2 does.
+    0"); runtime/hooks/forward.py's output_tensors now walks dataclass fields, as torch's FSDP2 does.
     """
     assert max(run_on_ranks(2, _structured)) <= 1e-5
 

@@ -3,18 +3,41 @@ puts on a module's inputs so that backward can tell when the module's own backwa
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_leaves, tree_unflatten
 
-from ..output_tensors import is_tensor_leaf, output_tensors
 from ..refresh import follow_module
 from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward, unshard_with_prefetch
 from ..state import FORWARD, IDLE, IN_BACKWARD, GroupState, RootState, class_name, states_in
 from .backward import maybe_post_backward, pre_backward
 from .not_traced import not_traced
+
+
+def is_tensor_leaf(x: object) -> bool:
+    """A tensor pytree treats as a leaf (a tensor subclass could register itself as a node)."""
+    return isinstance(x, torch.Tensor) and type(x) not in SUPPORTED_NODES
+
+
+def output_tensors(output: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``output``, dataclass fields included: pytree does not look inside dataclass
+    instances, so ``Out(value=tensor)`` would hide its tensors from the pre-backward hook."""
+    if is_tensor_leaf(output):  # fast paths: a module's usual outputs skip the pytree walk
+        yield output
+        return
+    if type(output) is tuple and all(is_tensor_leaf(x) for x in output):
+        yield from output
+        return
+    for leaf in tree_leaves(output):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            for field in dataclasses.fields(leaf):
+                yield from output_tensors(getattr(leaf, field.name))
 
 
 def lazy_init(state: GroupState, module: nn.Module) -> None:
