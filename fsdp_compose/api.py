@@ -130,7 +130,7 @@ def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
     """A 1-D mesh, or a 2-D one whose dim names say (replicate, shard), the order it is read in by position:
     a mesh built in the other order, or the full (dp, tp) mesh, would otherwise run HSDP on the wrong axes
     without a word. torch's FSDP2 also requires dim names."""
-    name, dim_names = class_name(module), mesh.mesh_dim_names
+    name = class_name(module)
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): pass a 1-D mesh (shard) or a 2-D mesh "
@@ -138,6 +138,7 @@ def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
         )
     if mesh.ndim == 1:
         return
+    dim_names = mesh.mesh_dim_names
     example = "init_device_mesh(..., (replicas, shards), mesh_dim_names=('replicate', 'shard'))"
     if dim_names is None:
         raise MeshRoleError(
@@ -250,7 +251,8 @@ def fully_shard(
     ignored = set(ignored_params or ())
     places, names = _managed_params(modules, ignored)
     param_device = _check_one_device(module, names)
-    device = param_device if param_device is not None and param_device.type == "meta" else mesh_device(mesh)
+    on_meta = param_device is not None and param_device.type == "meta"  # materialized later, by to_empty
+    device = mesh_device(mesh)
     sharded = []
     for param in places:
         fqn = names[param]
@@ -259,7 +261,7 @@ def fully_shard(
         if spmd_mesh is not None:
             spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
             dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
-        layout = resolve_layout(param.dtype, device, mp_policy, offload_policy)
+        layout = resolve_layout(param.dtype, device, mp_policy, offload_policy, on_meta)
         cls = DimShardedParam if shard_dim else ShardedParam
         sharded.append(cls(param, places[param], fqn, mesh, layout, shard_dim, spmd, dp_dims, mp_policy))
 
@@ -284,7 +286,7 @@ def fully_shard(
         register_owner(original, state)
         register_owner(sp.sharded_param, state)
     register_state(state)
-    if device.type != "meta":
+    if not on_meta:
         _move_own_buffers(modules, state, device)
     for m in modules:
         register_state_dict_hooks(state, m)
