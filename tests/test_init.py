@@ -2,9 +2,12 @@
 
 import torch
 import torch.distributed as dist
+from expecttest import assert_expected_inline
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fsdp_compose import fully_shard, init_sharded_parameters, sync_module_states
+from fsdp_compose import CPUOffloadPolicy, fully_shard, init_sharded_parameters, sync_module_states
+from fsdp_compose.runtime.state import states_in
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 
@@ -86,3 +89,53 @@ def _sync_states():
 
 def test_sync_module_states_makes_ranks_identical():
     assert run_on_ranks(3, _sync_states) == [0.0, 0.0, 0.0]
+
+
+def _meta_init_with_offload():
+    """torchtitan's CPU-offload flow: built on meta, sharded with CPUOffloadPolicy, ``to_empty(device="cpu")``.
+
+    The group computes on the mesh's device from ``fully_shard`` on (a meta model used to compute where
+    ``to_empty`` put it: on a GPU that was the CPU), and the shards' storage waits for ``to_empty``.
+    Materializing offloaded shards anywhere but the CPU is refused, naming the parameter (fake CUDA
+    tensors stand in for a GPU)."""
+
+    def build_meta_sharded(materialize: bool = True):
+        with torch.device("meta"):
+            model = TinyLM()
+        shard_blocks_then_root(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        if materialize:
+            model.to_empty(device="cpu")
+            torch.manual_seed(0)
+            init_sharded_parameters(model)
+        return model
+
+    unmaterialized = build_meta_sharded(materialize=False)
+    layouts = {(str(p.layout.compute_device), str(p.layout.storage_device)) for p in _sharded_params(unmaterialized)}
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            unmaterialized.to_empty(device="cuda")
+        refused = "nothing"
+    except ValueError as error:
+        refused = str(error)
+    result = train_against_reference(TinyLM, shard_blocks_then_root, sharded=build_meta_sharded)
+    result["layouts_before"] = sorted(layouts)
+    after = _sharded_params(build_meta_sharded())
+    result["layouts_after"] = sorted({(str(p.layout.compute_device), str(p.layout.storage_device)) for p in after})
+    result["refused"] = refused
+    return result
+
+
+def _sharded_params(model: nn.Module) -> list:
+    return [p for _, s in states_in(model) for p in s.group.params]
+
+
+def test_meta_init_with_cpu_offload_computes_on_the_mesh_device_and_trains():
+    results = run_on_ranks(2, _meta_init_with_offload)
+    assert_parity(results)
+    for r in results:
+        assert r["layouts_before"] == [("cpu", "meta")], r["layouts_before"]
+        assert r["layouts_after"] == [("cpu", "cpu")], r["layouts_after"]
+    assert_expected_inline(
+        results[0]["refused"],
+        """parameter 'norm.weight' was materialized on cuda:0, but offload_policy=CPUOffloadPolicy() keeps shards on the CPU: call model.to_empty(device='cpu'); the group still computes on cpu""",
+    )

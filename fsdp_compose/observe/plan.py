@@ -96,7 +96,7 @@ def sizes_of(state: GroupState) -> GroupSizes:
             )
         )
         outputs.append(row)
-        view = all(p.dtype == dtype and p.layout.storage_device == p.layout.compute_device for p in params)
+        view = all(p.dtype == dtype and not p.layout.offloaded for p in params)
         copies.append(0 if view else sum(p.local_numel * itemsize(p.dtype) for p in params))
     return GroupSizes(
         send=send if group.params else 0,
@@ -140,7 +140,7 @@ def plan_group(
     replicas = group.dp_size // world
     if all_reduces:
         sent += sum(sizes.reduce_outputs) * 2 * (replicas - 1) / replicas
-    offload = any(p.layout.storage_device != p.layout.compute_device for p in group.params)
+    offload = any(p.layout.offloaded for p in group.params)
     reshard: bool | int = reshards
     if reshards and state.group.post_forward is not None:
         reshard = group.post_forward[0]

@@ -24,13 +24,20 @@ class ParamPlace:
 @dataclass(frozen=True)
 class ParamLayout:
     """Where and in which dtypes one parameter lives: the shard, its gradient and optimizer state on
-    ``storage_device``, the unsharded parameter on ``compute_device`` (they differ under CPU offload)."""
+    ``storage_device``, the unsharded parameter on ``compute_device`` (they differ under CPU offload).
+    A shard on the meta device has storage ``meta`` until ``to_empty`` materializes it."""
 
     compute_device: torch.device
     storage_device: torch.device
     gather_dtype: torch.dtype  # dtype of the all-gather and of the unsharded parameter
     reduce_dtype: torch.dtype  # dtype of the gradient reduce-scatter
     pin_memory: bool = False
+    offload: bool = False  # CPUOffloadPolicy: the shard lives on the CPU
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether the shard and the unsharded parameter live on different devices."""
+        return self.offload and self.compute_device.type != "cpu"
 
 
 def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
@@ -95,11 +102,13 @@ def resolve_layout(
     compute_device: torch.device,
     mp_policy: MixedPrecisionPolicy,
     offload_policy: OffloadPolicy,
+    on_meta: bool = False,
 ) -> ParamLayout:
-    """Where one parameter's shard lives and which dtypes its collectives use."""
+    """Where one parameter's shard lives and which dtypes its collectives use (``on_meta``: not yet,
+    ``ShardedParam.refresh`` places it when ``to_empty`` materializes it)."""
     gather_dtype, reduce_dtype = collective_dtypes(dtype, mp_policy)
-    offload = isinstance(offload_policy, CPUOffloadPolicy) and compute_device.type != "meta"
-    storage_device = torch.device("cpu") if offload else compute_device
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    storage_device = torch.device("meta" if on_meta else "cpu" if offload else compute_device)
     # pinning needs an accelerator; on a CPU-only build the shard is already where it computes
     pin = offload and offload_policy.pin_memory and compute_device.type != "cpu"
-    return ParamLayout(compute_device, storage_device, gather_dtype, reduce_dtype, pin)
+    return ParamLayout(compute_device, storage_device, gather_dtype, reduce_dtype, pin, offload)

@@ -139,7 +139,7 @@ class ShardedParam:
             local = local.clone(memory_format=torch.contiguous_format)
         else:
             local = shard_subclass(full, self.fqn, self.shard_dim, self.world_size, self.rank, self.local_shape, device)
-        if self.layout.pin_memory:
+        if self.layout.pin_memory and local.device.type == "cpu":
             local = local.pin_memory()
         return local
 
@@ -174,9 +174,16 @@ class ShardedParam:
             self.layout = layout
             self._forget_built()
         device = self.local_tensor().device
-        if self.layout.compute_device.type == "meta" or self.layout.storage_device.type == "meta":
-            compute = device if self.layout.compute_device.type == "meta" else self.layout.compute_device
-            self.layout = dataclasses.replace(self.layout, compute_device=compute, storage_device=device)
+        if self.layout.storage_device.type == "meta" and device.type != "meta":  # materialized by ``to_empty``
+            if self.layout.offload and device.type != "cpu":
+                raise ValueError(
+                    f"parameter '{self.fqn}' was materialized on {device}, but offload_policy=CPUOffloadPolicy() keeps "
+                    "shards on the CPU: call model.to_empty(device='cpu'); the group still computes on "
+                    f"{self.layout.compute_device}"
+                )
+            self.layout = dataclasses.replace(self.layout, storage_device=device)
+            if self.layout.pin_memory:  # as torch's FSDP2: the same parameter object, its local tensor pinned
+                self.sharded_param._local_tensor = self.local_tensor().pin_memory()
         if self._padding.device != self.layout.compute_device:
             self._padding = self._zeros(self._padding.numel(), self.layout.compute_device)
             self._pieces_source = None
