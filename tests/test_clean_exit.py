@@ -1,4 +1,4 @@
-"""A successful script exits 0, spawned and under torchrun: 20 runs of each (issue 12, item 1).
+"""A successful script exits 0, spawned and under torchrun: 16 runs of each (issue 12, item 1).
 
 Each run is a fresh interpreter whose two ranks train, call ``destroy_process_group()`` and
 return; the abort this guards against ("terminate called without an active exception") fired
@@ -31,7 +31,9 @@ SCRIPT = ROOT / "tests" / "scripts" / "exit_cleanly.py"
 SHM_SCRIPT = ROOT / "tests" / "scripts" / "exit_after_shm.py"
 HF_SCRIPT = ROOT / "tests" / "scripts" / "exit_after_hf_trainer.py"
 LIGHTNING_SCRIPT = ROOT / "tests" / "scripts" / "exit_after_lightning.py"
-RUNS = int(os.environ.get("FSDP_COMPOSE_EXIT_RUNS", "20"))
+# 16 (was 20) keeps the suite under its 10 minutes (each run is about 5 s of the suite's 580); a
+# 1-in-3 abort, the rate before the TLS fix, still shows in 16 runs but for a chance of 0.2%
+RUNS = int(os.environ.get("FSDP_COMPOSE_EXIT_RUNS", "16"))
 HF_RUNS = int(os.environ.get("FSDP_COMPOSE_HF_EXIT_RUNS", "2"))
 LIGHTNING_RUNS = int(os.environ.get("FSDP_COMPOSE_LIGHTNING_EXIT_RUNS", "1"))
 
