@@ -135,8 +135,8 @@ class ShardedParam:
         if device.type == "meta":
             device = full.device
         if not is_wrapper_subclass(full):
-            local = full.detach().narrow(self.shard_dim, start, end - start).to(device)
-            local = local.clone(memory_format=torch.contiguous_format)
+            local = full.detach().narrow(self.shard_dim, start, end - start)
+            local = local.to(device, memory_format=torch.contiguous_format, copy=True)  # one copy, on any device
         else:
             local = shard_subclass(full, self.fqn, self.shard_dim, self.world_size, self.rank, self.local_shape, device)
         if self.layout.pin_memory and local.device.type == "cpu":
@@ -239,7 +239,8 @@ class ShardedParam:
         scales), so ``explain`` counts its shard as plain bytes until the first unshard."""
         local = self.local_tensor()
         fresh = self.extension is None and self.unsharded_param is None and local is not self._plain_source
-        if fresh and self.wire is not None and not has_protocol(local, self.fqn) and local.device.type != "meta":
+        codec_only = self.wire is not None and not has_protocol(local, f"the shard of parameter '{self.fqn}'")
+        if fresh and codec_only and local.device.type != "meta":
             with torch.no_grad():
                 extension = self._extension_for(local)
                 if extension is not None:
