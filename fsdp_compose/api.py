@@ -273,7 +273,6 @@ def fully_shard(
         post_forward = (post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
     group = ParamGroup(sharded, mesh, device, class_name(module), group_label, comm, post_forward)
     state = GroupState(
-        module=module,
         modules=modules,
         group=group,
         reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,

@@ -61,7 +61,7 @@ def forward_calls(model: nn.Module, states: list[GroupState]) -> tuple[list[Call
         ends[m] = len(modules) - 1
     calls = []
     for state in states:
-        for m in state.modules or [state.module]:
+        for m in state.modules:
             if m in index:
                 calls.append(Call(state, index[m], ends[m]))
     calls.sort(key=lambda c: c.start)

@@ -58,7 +58,7 @@ def module_names(model: nn.Module) -> dict[nn.Module, str]:
 
 
 def group_name(state: GroupState, names: dict[nn.Module, str]) -> str:
-    found = [names.get(m, "?") or "<root>" for m in state.modules or [state.module]]
+    found = [names.get(m, "?") or "<root>" for m in state.modules]
     return ", ".join(found)
 
 
@@ -119,7 +119,7 @@ def plan_group(
     backward_prefetch: list[str],
 ) -> GroupPlan:
     group, sizes = state.group, sizes_of(state)
-    calls = len(state.modules or [state.module])
+    calls = len(state.modules)
     reshards = state.reshards_after_forward(is_root)
     world = group.world_size
     gathers = gather_bytes = 0

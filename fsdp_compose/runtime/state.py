@@ -46,7 +46,7 @@ STEP_FORWARD, IN_BACKWARD, AFTER_BACKWARD = RootPhase
 class GroupState:
     """Per-call state: the group, its options, and this step's backward bookkeeping."""
 
-    module: nn.Module  # the first module of the call; errors and FQNs name it
+    modules: list[nn.Module]  # every module of the call (a list for fully_shard([a, b]))
     group: ParamGroup
     reshard_after_forward: bool
     # the user chose reshard_after_forward (in fully_shard or set_reshard_after_forward): the
@@ -59,7 +59,6 @@ class GroupState:
     unshard_in_backward: bool = True  # False: backward never needs the unsharded values (embedding)
     reduce_scatter_unused_params: bool = False  # recorded; unused parameters are always reduced as zeros
     reduce_buffers: int | None = None  # reductions in flight before waiting; None: the root's reduce_limit
-    modules: list[nn.Module] = field(default_factory=list)  # every module of the call
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: RootState | None = None
     # explicit prefetch targets (None: follow the recorded order)
@@ -69,6 +68,11 @@ class GroupState:
     phase: StepPhase = IDLE
     inputs_pending: int = 0  # forward uses whose inputs' gradients backward has not reached yet
     grads_ready: set[int] = field(default_factory=set)
+
+    @property
+    def module(self) -> nn.Module:
+        """The first module of the call: errors and FQNs name it."""
+        return self.modules[0]
 
     @property
     def is_root(self) -> bool:
@@ -149,7 +153,7 @@ def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
 
 
 def register_state(state: GroupState) -> None:
-    for module in state.modules or [state.module]:
+    for module in state.modules:
         _module_states[module] = state
     _states_by_uid[(rank_key(), state.group.uid)] = state
 
