@@ -44,13 +44,14 @@ def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
     """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``: (on every backend, on gloo).
 
     On gloo all of them unless the check is off: there the handshake, a host-side check before the
-    collective, is what keeps a divergence from reaching gloo's abort (HSDP's all-reduce too: replicas
-    never meet in a shard group's handshake, and could otherwise sum different groups)."""
+    collective, is what keeps a divergence from reaching gloo's abort. HSDP's all-reduce everywhere:
+    replicas never meet in a shard group's handshake, and replicas that ran equally sized modules in
+    another order would otherwise sum different groups' gradients without a word."""
     mode = check_mode()
     if mode == "0":
         return frozenset(), frozenset()
-    everywhere = frozenset((ALL_GATHER, REDUCE_SCATTER)) if mode == "strict" else frozenset((ALL_GATHER,))
-    return everywhere, frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
+    everywhere = {ALL_GATHER, ALL_REDUCE} | ({REDUCE_SCATTER} if mode == "strict" else set())
+    return frozenset(everywhere), frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
 class _Exchange:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.common_distributed import MultiThreadedTestCase
 
 from fsdp_compose import fully_shard
@@ -122,3 +123,47 @@ Ranks diverged: they were about to run different collectives of sharded modules 
   rank 1: all-gather of 'b' (Linear), 40 bytes
 (on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
         )
+
+
+class TestReplicaDivergenceOnThreadedRanks(MultiThreadedTestCase):
+    """HSDP on 2 replicas x 2 shards, off gloo: the second replica runs two equally sized modules in the
+    other order. Each shard group agrees with itself, so only the all-reduces across replicas pair up
+    different modules' gradients (same sizes: the sums would be silently mixed up); their handshakes,
+    logged on the replicate groups, name the replicas when backward ends."""
+
+    @property
+    def world_size(self) -> int:
+        return 4
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._watchdog = threading.Timer(HANG_LIMIT_S, _abort_hung_ranks)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+        self._spawn_threads()
+
+    def tearDown(self) -> None:
+        self._watchdog.cancel()
+        super().tearDown()
+
+    def test_replicas_running_modules_in_another_order_are_named(self) -> None:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = TwoLinears()
+        fully_shard(model.a, mesh=mesh)
+        fully_shard(model.b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.set_reduce_scatter_max_input_buffers(1)  # each reduction finishes (all-reduces) as the next starts
+        try:
+            model(torch.ones(2, 4), reverse=dist.get_rank() >= 2).sum().backward()
+            message = "no error"
+        except ExecutionOrderError as error:
+            message = str(error)
+        if dist.get_rank() == 0:
+            assert_expected_inline(message, """\
+Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: all-reduce of 'b' (Linear), 48 bytes
+  rank 2: all-reduce of 'a' (Linear), 48 bytes
+(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)
+(on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""")
+        else:
+            self.assertIn("Ranks diverged", message)
