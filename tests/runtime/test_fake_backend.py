@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 import torch
@@ -22,11 +21,10 @@ import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.testing._internal.common_distributed import MultiThreadedTestCase
 
 from fsdp_compose import fully_shard
 from fsdp_compose.runtime.divergence import ExecutionOrderError
-from tests.runtime.test_threaded_ranks import HANG_LIMIT_S, _abort_hung_ranks
+from tests.runtime.test_threaded_ranks import _ThreadedRanks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL = (
@@ -84,24 +82,13 @@ class TwoLinears(nn.Module):
         return self.a(self.b(x)) if reverse else self.b(self.a(x))
 
 
-class TestDivergenceOnThreadedRanks(MultiThreadedTestCase):
+class TestDivergenceOnThreadedRanks(_ThreadedRanks):
     """Rank 1 runs two equally sized modules in the other order: the collectives pair up (no hang,
     mixed-up data), and every rank raises when the step's handshakes are judged."""
 
     @property
     def world_size(self) -> int:
         return 2
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._watchdog = threading.Timer(HANG_LIMIT_S, _abort_hung_ranks)
-        self._watchdog.daemon = True
-        self._watchdog.start()
-        self._spawn_threads()
-
-    def tearDown(self) -> None:
-        self._watchdog.cancel()
-        super().tearDown()
 
     def _diverge(self) -> str:
         model = TwoLinears()
@@ -125,7 +112,7 @@ Ranks diverged: they were about to run different collectives of sharded modules 
         )
 
 
-class TestReplicaDivergenceOnThreadedRanks(MultiThreadedTestCase):
+class TestReplicaDivergenceOnThreadedRanks(_ThreadedRanks):
     """HSDP on 2 replicas x 2 shards, off gloo: the second replica runs two equally sized modules in the
     other order. Each shard group agrees with itself, so only the all-reduces across replicas pair up
     different modules' gradients (same sizes: the sums would be silently mixed up); their handshakes,
@@ -134,17 +121,6 @@ class TestReplicaDivergenceOnThreadedRanks(MultiThreadedTestCase):
     @property
     def world_size(self) -> int:
         return 4
-
-    def setUp(self) -> None:
-        super().setUp()
-        self._watchdog = threading.Timer(HANG_LIMIT_S, _abort_hung_ranks)
-        self._watchdog.daemon = True
-        self._watchdog.start()
-        self._spawn_threads()
-
-    def tearDown(self) -> None:
-        self._watchdog.cancel()
-        super().tearDown()
 
     def test_replicas_running_modules_in_another_order_are_named(self) -> None:
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
