@@ -8,6 +8,7 @@ backward prefetch follows the post-forward order since the previous backward, re
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 from .state import AFTER_BACKWARD, STEP_FORWARD, GroupState, RootState
 
@@ -87,7 +88,7 @@ def end_step(root: RootState, failed: bool = False) -> None:
     root.forward_order = {}
 
 
-def _set_reference(root: RootState, order) -> None:
+def _set_reference(root: RootState, order: Iterable[GroupState]) -> None:
     root.reference_forward_order = list(order)
     root.reference_index = {s: i for i, s in enumerate(order)}
 
