@@ -15,7 +15,7 @@ from .mesh import default_device_type, default_mesh, mesh_device, post_forward_g
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
 from .runtime.comm_options import CommOptions
-from .runtime.group import ParamGroup
+from .runtime.group import ParamGroup, PostForward
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
@@ -270,7 +270,7 @@ def fully_shard(
     comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
     post_forward = None
     if post_forward_ranks is not None:
-        post_forward = (post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
+        post_forward = PostForward(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
     group = ParamGroup(sharded, mesh, device, class_name(module), group_label, comm, post_forward)
     state = GroupState(
         modules=modules,

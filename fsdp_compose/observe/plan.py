@@ -81,7 +81,7 @@ def sizes_of(state: GroupState) -> GroupSizes:
     send = sum(p.gather_nbytes() for p in group.params)
     kept = kept_gathered = 0
     if group.post_forward is not None and state.reshard_after_forward:
-        ranks = group.post_forward[0]
+        ranks = group.post_forward.ranks
         kept = sum(size * world // ranks for size in group.layout.sizes)
         kept_gathered = ranks * kept
     tables, outputs, copies, row_copies = [], [], [], []
@@ -129,7 +129,7 @@ def plan_group(
         gathers, gather_bytes = 1, sizes.gathered
         sent = sizes.gathered * (world - 1) / world
         regather = sizes.kept_gathered if sizes.kept else sizes.gathered
-        regather_ranks = group.post_forward[0] if sizes.kept else world
+        regather_ranks = group.post_forward.ranks if sizes.kept else world
         if reshards:
             gathers += calls  # calls - 1 more in forward, one in backward
             gather_bytes += calls * regather
@@ -143,7 +143,7 @@ def plan_group(
     offload = any(p.layout.offloaded for p in group.params)
     reshard: bool | int = reshards
     if reshards and state.group.post_forward is not None:
-        reshard = group.post_forward[0]
+        reshard = group.post_forward.ranks
     return GroupPlan(
         name=name,
         params=sum(p.shape.numel() for p in group.params),

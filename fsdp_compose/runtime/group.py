@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -46,6 +47,14 @@ class Reduction:
         return Reduction(dtype, tuple(params), row_bytes, reached if reached < world else None)
 
 
+class PostForward(NamedTuple):
+    """``reshard_after_forward=<int>``: after forward each rank keeps an N-way slice of every gathered
+    column, and backward re-gathers it within its N consecutive ranks (e.g. one node)."""
+
+    ranks: int
+    process_group: object
+
+
 class ParamGroup:
     """Owns the collectives of one group; knows nothing of hooks or modules' forward."""
 
@@ -57,7 +66,7 @@ class ParamGroup:
         label: str,
         name_of: Callable[[int], str],
         comm: CommOptions,
-        post_forward: tuple[int, object] | None = None,
+        post_forward: PostForward | None = None,
     ) -> None:
         self.uid = new_uid()
         self.label = label  # how errors name the group; lazy init sets the FQN
@@ -77,8 +86,6 @@ class ParamGroup:
         self.replicate_group = mesh.get_group(0) if mesh.ndim == 2 else None
         self.dp_size = mesh.size()
         self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
-        # reshard_after_forward=<int>: (N, the N-rank process group) that keeps an N-way slice of every
-        # gathered column after forward and re-gathers it in backward (N consecutive ranks, e.g. one node)
         self.post_forward = post_forward
         self._kept: torch.Tensor | None = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
@@ -91,15 +98,16 @@ class ParamGroup:
         self.pending_reduces: list[PendingCollective] = []
         self.comm = comm
 
-    def refresh(self, params_changed: bool) -> None:
+    def refresh(self, replaced: dict[ShardedParam, tuple] | None = None) -> None:
         """Re-read the parameters after ``refresh.follow_module``: their shards' device (deferred init
-        materialized them) and, if ``params_changed`` (new dtypes or ``requires_grad``), what depends
-        on those. The group must be sharded."""
+        materialized them), the shards ``replaced`` gives (parameter -> (new shard, its layout)), and
+        what depends on their dtypes and ``requires_grad``. The group must be sharded."""
+        replaced = replaced or {}
         for p in self.params:
-            self.device = p.refresh()
+            self.device = p.refresh(*replaced.get(p, ()))
         self.handshakes.refresh(self.device)
         self._all_present.clear()
-        if not params_changed:
+        if not replaced:
             return
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_plan = None
@@ -121,6 +129,7 @@ class ParamGroup:
                 extended = self._extension_layout  # post-all-gather runs again on the small group's gather
                 rows, group = self.post_forward
                 layout = GatherLayout([size * self.world_size // rows for size in self.layout.sizes], rows)
+                rank = self.rank % rows  # in the small group (consecutive ranks)
             else:
                 extended, pieces = False, []
                 with labelled("copy_in", self):  # casts/moves shards where needed; no concatenation here
@@ -132,11 +141,11 @@ class ParamGroup:
                     if widths != self.layout.sizes:
                         self.layout = GatherLayout(widths, self.world_size)
                     self._extension_layout = extended
-                layout, group, rows = self.layout, self.process_group, self.world_size
+                layout, group, rows, rank = self.layout, self.process_group, self.world_size, self.rank
             self.handshakes.check(ALL_GATHER, layout.total, group)
             with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                 work, gathered = all_gather_flat(
-                    pieces, layout, group, self.stats, self.comm.all_gather, self.rank, layout.total
+                    pieces, layout, group, self.stats, self.comm.all_gather, rank, layout.total
                 )
         finish = partial(self._finish_unshard, gathered, layout, rows, extended)
         self.pending_unshard = PendingCollective(work, finish, name=self._name_all_gather)
@@ -186,7 +195,7 @@ class ParamGroup:
             self._kept = self._kept if after_forward else None
             return
         if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
-            ranks, index = self.post_forward[0], self.rank % self.post_forward[0]  # this rank's N-way slice
+            ranks, index = self.post_forward.ranks, self.rank % self.post_forward.ranks  # this rank's N-way slice
             with grad_off():
                 self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.gathered_rows()])
         else:

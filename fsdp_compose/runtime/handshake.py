@@ -80,8 +80,8 @@ class _Exchange:
 
 
 class Handshakes:
-    """One group's handshakes, cached per (kind, bytes, process group): ``kinds`` on every backend,
-    ``gloo_kinds`` on gloo as well. On gloo judged on the host before the collective (``run``);
+    """One group's handshakes, cached per (kind, bytes, process group): the ``kinds`` pair of
+    ``handshake_kinds`` (every backend, gloo). On gloo judged on the host before the collective (``run``);
     elsewhere logged in the root's ``ledgers`` and judged once a round (``handshake_ledger.py``)."""
 
     def __init__(
@@ -89,8 +89,8 @@ class Handshakes:
     ) -> None:
         self.uid = uid
         everywhere, on_gloo = kinds if kinds is not None else handshake_kinds()
-        self.kinds = everywhere  # checked on every backend
-        self.gloo_kinds = everywhere | on_gloo  # checked on gloo: every kind checked at all
+        self.everywhere = everywhere  # kinds checked on every backend
+        self.on_gloo = everywhere | on_gloo  # kinds checked on gloo: every kind checked anywhere
         self.device = device
         self.name_of = name_of  # names any group by its uid (messages name other ranks' groups)
         self._exchanges: dict[tuple[int, int, object], _Exchange | Entry | None] = {}
@@ -116,7 +116,7 @@ class Handshakes:
         if exchange is False:
             world = group.size()
             gloo = dist.get_backend(group) == "gloo"
-            if world <= 1 or kind not in (self.gloo_kinds if gloo else self.kinds):
+            if world <= 1 or kind not in (self.on_gloo if gloo else self.everywhere):
                 exchange = None
             elif gloo:
                 exchange = _Exchange(self.uid, kind, nbytes, world, self.device)
@@ -130,7 +130,7 @@ class Handshakes:
         run ``issue`` (which issues it), if given. On gloo a reduce-scatter's ``issue`` waits for the next
         handshake on its process group (usually the next block's prefetch, else ``flush``), which then
         covers both: the waiting reduce-scatters must agree too, and are issued first."""
-        if kind in self.gloo_kinds:
+        if kind in self.on_gloo:
             group, exchange = self._exchange(kind, nbytes, group)
             if type(exchange) is Entry:
                 exchange.ledger.record(exchange, self.name_of)

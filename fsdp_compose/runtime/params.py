@@ -159,10 +159,10 @@ class ShardedParam:
         """Re-read the shard; return the device the unsharded parameter computes on.
 
         With ``sharded_param`` (laid out like the current shard, under ``layout``'s dtypes) it becomes
-        the shard: the user replaced it or converted its dtype (``model.to(torch.float64)``). What was
-        built for the old one (the unsharded parameter, buffers sized for the old gather dtype) is
-        dropped and built anew by the next unshard; the group must be sharded (``runtime/refresh.py``).
-        Either way the layout follows the shard's device (``to_empty`` from meta)."""
+        the shard, registered where the parameter lives: the user replaced it or converted its dtype
+        (``model.to(torch.float64)``). What was built for the old one is dropped and built anew by
+        the next unshard; the group must be sharded (``runtime/refresh.py``). Either way the layout
+        follows the shard's device (``to_empty`` from meta)."""
         if sharded_param is not None:
             self.sharded_param = sharded_param
             self.dtype = sharded_param.dtype
@@ -173,6 +173,7 @@ class ShardedParam:
             self.requires_grad = sharded_param.requires_grad
             self.layout = layout
             self._forget_built()
+            self.use(unsharded=False)
         device = self.local_tensor().device
         if self.layout.storage_device.type == "meta" and device.type != "meta":  # materialized by ``to_empty``
             if self.layout.offload and device.type != "cpu":

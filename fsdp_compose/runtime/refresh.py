@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..policies import collective_dtypes
-from .param_layout import contiguous_strides
+from .param_layout import ParamLayout, contiguous_strides
 from .params import ShardedParam
 from .state import GroupState, class_name, register_owner
 
@@ -32,7 +32,7 @@ def follow_module(state: GroupState) -> None:
     group = state.group
     if group.is_unsharded or group.pending_unshard is not None:
         return
-    changed = False
+    replaced: dict[ShardedParam, tuple[nn.Parameter, ParamLayout]] = {}
     for p in group.params:
         held = _registered(state, p)
         if held is not p.sharded_param:
@@ -41,11 +41,9 @@ def follow_module(state: GroupState) -> None:
             register_owner(held, state)  # a swap (``_apply``) moved the mark to the discarded object
             continue
         gather_dtype, reduce_dtype = collective_dtypes(held.dtype, state.mp_policy)
-        p.refresh(held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype))
-        p.use(unsharded=False)
+        replaced[p] = held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype)
         register_owner(held, state)
-        changed = True
-    group.refresh(changed)
+    group.refresh(replaced)
 
 
 def _registered(state: GroupState, p: ShardedParam) -> torch.Tensor:
@@ -86,12 +84,12 @@ def _as_shard(state: GroupState, p: ShardedParam, new: torch.Tensor) -> nn.Param
             same_layout = tuple(new.placements) == tuple(target.placements)
             storage, local = p.layout.storage_device, new._local_tensor
             placed = storage.type == "meta" or local.device == storage
-            if same_layout and isinstance(new, nn.Parameter) and placed and local.shape == p.local_shape:
-                if local.is_contiguous():  # already a shard like ours: keep the user's object (torch does too)
-                    return new
+            ours = placed and local.shape == p.local_shape and local.is_contiguous()
+            if same_layout and isinstance(new, nn.Parameter) and ours:
+                return new  # already a shard like ours: keep the user's object (torch does too)
             local = new if same_layout else new.redistribute(target.device_mesh, target.placements)
-            local = local._local_tensor.detach().to(new.device if storage.type == "meta" else storage)
-            local = local.clone(memory_format=torch.contiguous_format)
+            device = new.device if storage.type == "meta" else storage
+            local = local._local_tensor.detach().to(device, memory_format=torch.contiguous_format, copy=True)
             if p.layout.pin_memory:
                 local = local.pin_memory()
         elif p.tp_spec is not None:
