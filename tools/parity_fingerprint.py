@@ -41,7 +41,8 @@ def main() -> None:
         results = run_on_ranks(world, _train, config)
         digest = hashlib.sha1(repr([losses for losses, _, _ in results]).encode()).hexdigest()[:12]
         losses, param_diff, grad_diff = results[0]
-        print(f"{config:12s} ws {world}  losses {digest} {losses[:2]}  param diff {param_diff:.3e}  grad diff {grad_diff:.3e}")
+        diffs = f"param diff {param_diff:.3e}  grad diff {grad_diff:.3e}"
+        print(f"{config:12s} ws {world}  losses {digest} {losses[:2]}  {diffs}")
 
 
 if __name__ == "__main__":
