@@ -40,20 +40,22 @@ def quantize_all_gather(
     Call it before ``fully_shard``. By default it chooses ``nn.Linear`` and ``nn.Embedding``
     weights of at least ``min_numel`` elements (norms and biases travel as before); pass
     ``filter_fn(name, param)`` to choose yourself (``name`` relative to ``module``). Returns the
-    names chosen. Not for parameters sharded on a dim other than 0 or tensor-parallel ones.
+    names chosen, a tied weight once (its first name chosen). Not for parameters sharded on a dim
+    other than 0 or tensor-parallel ones.
     """
     if dtype not in _WIRE_DTYPES:
         raise ValueError(f"quantize_all_gather(dtype={dtype}): pick one of {', '.join(map(str, _WIRE_DTYPES))}")
     if block_size < 1:
         raise ValueError(f"quantize_all_gather(block_size={block_size}): pass a positive number of elements")
     wire = BlockQuantized(dtype, block_size)
-    chosen = []
+    chosen, seen = [], set()
     for module_name, owner in module.named_modules():
         for name, param in owner.named_parameters(recurse=False):
             fqn = f"{module_name}.{name}" if module_name else name
             pick = filter_fn(fqn, param) if filter_fn is not None else _default_choice(owner, name, param, min_numel)
-            if not pick:
+            if not pick or id(param) in seen:
                 continue
+            seen.add(id(param))
             if owner_of(param) is not None:
                 raise ValueError(
                     f"quantize_all_gather: parameter '{fqn}' is already sharded by fully_shard; call "

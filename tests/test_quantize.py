@@ -166,6 +166,14 @@ def test_bad_calls(single_rank_group):
     )
 
 
+def test_a_tied_weight_is_chosen_once():
+    embed, head = nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)
+    head.weight = embed.weight
+    model = nn.Sequential(embed, head)
+    assert quantize_all_gather(model, min_numel=0) == ["0.weight"]
+    assert quantize_all_gather(model, filter_fn=lambda name, p: name == "1.weight") == ["1.weight"]
+
+
 class _Mesh:
     def __init__(self, size: int) -> None:
         self._size = size
