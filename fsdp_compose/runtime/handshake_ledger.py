@@ -123,9 +123,12 @@ class Ledgers:
         self.waiting: dict[object, list] = {}
 
     def ledger(self, group, device: torch.device) -> Ledger:
+        """``group``'s ledger, agreeing on ``device`` from its next round (a moved model keeps its log
+        and its previous round's unread verdict)."""
         ledger = self.by_group.get(group)
-        if ledger is None or ledger.device != device:
+        if ledger is None:
             ledger = self.by_group[group] = Ledger(group, device)
+        ledger.device = device
         return ledger
 
     def close_round(self) -> None:

@@ -1,13 +1,17 @@
-"""The ledger's message (backends other than gloo): which ranks it names from the exchanged logs.
+"""The ledger (backends other than gloo): which ranks its message names from the exchanged logs,
+and a verdict kept across a device change.
 
 Its collectives are shown on threaded ranks in ``test_fake_backend.py``; here the naming alone,
 for world sizes no test runs: the first rank and those that differ from it, at most eight.
 """
 
+import pytest
+import torch
+import torch.distributed as dist
 from expecttest import assert_expected_inline
 
-from fsdp_compose.runtime.divergence import ALL_GATHER, REDUCE_SCATTER
-from fsdp_compose.runtime.handshake_ledger import _first_difference
+from fsdp_compose.runtime.divergence import ALL_GATHER, REDUCE_SCATTER, ExecutionOrderError
+from fsdp_compose.runtime.handshake_ledger import Entry, Ledgers, _first_difference
 
 SMALL, BIG = (1, ALL_GATHER, 40), (2, ALL_GATHER, 120)
 
@@ -37,3 +41,17 @@ def test_a_reduce_scatter_brings_the_backward_hint():
     message = _first_difference(logs, [0, 1], _describe)
     assert "rank 0: reduce-scatter of 'block1' (Linear), 64 bytes" in message
     assert "run when a module's backward is done" in message
+
+
+def test_a_verdict_still_unread_when_the_model_moves_is_read_on_the_new_device(single_rank_group):
+    """On an accelerator a round's verdict is read a round later; moving the model (a new device for
+    the handshakes) in between must not drop it."""
+    ledgers = Ledgers()
+    group = dist.group.WORLD
+    before = ledgers.ledger(group, torch.device("cpu"))
+    diverged = torch.tensor(True)  # as the previous round's all-reduce left it, waiting to be read
+    before.pending = (diverged, None, [Entry(1, ALL_GATHER, 40, before)], _describe)
+    after = ledgers.ledger(group, torch.device("meta"))
+    assert after.device == torch.device("meta")
+    with pytest.raises(ExecutionOrderError, match="all-gather of 'block1'"):
+        after.close_round()
