@@ -100,8 +100,6 @@ class ShardedParam:
         )
         # called with the unsharded parameter after autograd accumulated its gradient
         self.on_grad_accumulated = None
-        self._target_rows: tuple[torch.Tensor, int, torch.Tensor] | None = None  # (target, n, its first n rows)
-        self._gather_nbytes = 0
         self._forget_built()
 
     def _forget_built(self) -> None:
@@ -109,7 +107,6 @@ class ShardedParam:
         self.unsharded_param: nn.Parameter | None = None
         # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
         self._gather_target: torch.Tensor | None = None
-        self._gather_storage = None  # its storage object, cached by alloc_unsharded
         self._padding = self._zeros(self.padded_numel - self.local_numel, self.layout.compute_device)
         self._pieces_source: torch.Tensor | None = None
         self._pieces: list[torch.Tensor] = []
@@ -217,7 +214,7 @@ class ShardedParam:
         if extension is not None or (protocol and self.unsharded_param is not None):
             # the unsharded parameter was built for another shard object: build it anew
             self.free_unsharded()
-            self.unsharded_param, self._gather_target, self._gather_storage = None, None, None
+            self.unsharded_param, self._gather_target = None, None
             self.extension = None
         if not protocol:
             self._plain_source = local
@@ -297,34 +294,23 @@ class ShardedParam:
         )
         if self.requires_grad and self.on_grad_accumulated is not None:
             self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
-        self._gather_storage = None  # a subclass may replace the target after this
 
     def alloc_unsharded(self) -> torch.Tensor:
-        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target (its
-        storage object is kept: ``untyped_storage()`` builds a new Python object per call)."""
+        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target."""
         if self.unsharded_param is None:
             self._create_unsharded()
-        storage = self._gather_storage
-        if storage is None:
-            storage = self._gather_storage = self._gather_target.untyped_storage()
-            self._gather_nbytes = self._gather_target.numel()
-        if storage.nbytes() != self._gather_nbytes:
-            storage.resize_(self._gather_nbytes)
+        storage = self._gather_target.untyped_storage()
+        if storage.nbytes() != self._gather_target.numel():
+            storage.resize_(self._gather_target.numel())
         return self._gather_target
 
     def alloc_unsharded_rows(self, ranks: int) -> torch.Tensor:
-        """``alloc_unsharded()``'s first ``ranks`` rows (every row the parameter reads), kept across steps."""
-        target = self.alloc_unsharded()
-        kept = self._target_rows
-        if kept is None or kept[0] is not target or kept[1] != ranks:
-            kept = self._target_rows = (target, ranks, target[:ranks])
-        return kept[2]
+        """``alloc_unsharded()``'s first ``ranks`` rows: every row the parameter reads."""
+        return self.alloc_unsharded()[:ranks]
 
     def free_unsharded(self) -> None:
         if self.extension is not None:
             self.extension.free()
-        elif self._gather_storage is not None:
-            self._gather_storage.resize_(0)
         elif self._gather_target is not None:
             self._gather_target.untyped_storage().resize_(0)
 
