@@ -105,11 +105,6 @@ FAST_PATHS: dict[str, tuple[str, list[Rewrite | Swap]]] = {
         [Rewrite("fsdp_compose.runtime.group:ParamGroup._divisor",
                  "if dtype != torch.float32:", "if True:")],
     ),
-    "tls_check": (
-        "hiding the backward's thread-local Python objects around every collective, even when there are none",
-        [Rewrite("fsdp_compose.runtime.c10d_direct:python_free_tls",
-                 "if _is_key_in_tls(_CONTEXT_KEY) or _top_hooks(True) is not None:", "if True:")],
-    ),
     "direct_c10d": (
         "dist.all_gather_into_tensor / reduce_scatter_tensor and their Python argument checks",
         [Rewrite("fsdp_compose.runtime.c10d_direct:DirectAllGather.__call__",

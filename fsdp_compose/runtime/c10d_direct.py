@@ -11,7 +11,6 @@ interpreter shutdown that aborts the process after a successful run (docs/troubl
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -105,7 +104,6 @@ DIRECT_REDUCE_SCATTER = DirectReduceScatter()
 
 _CONTEXT_KEY = "context"  # torch.autograd.graph._engine_run_backward stashes it during backward
 _autograd = torch._C._autograd
-_NULL = contextlib.nullcontext()
 # bound once: these run up to four times per group and step in backward
 _is_key_in_tls = torch._C._is_key_in_tls
 _get_obj_in_tls = torch._C._get_obj_in_tls
@@ -116,15 +114,9 @@ _pop_hooks = _autograd._pop_saved_tensors_default_hooks
 _push_hooks = _autograd._push_saved_tensors_default_hooks
 
 
-def python_free_tls() -> contextlib.AbstractContextManager:
-    """Hide the backward's stashed context and any saved-tensor hooks from TLS (else a shared no-op)."""
-    if _is_key_in_tls(_CONTEXT_KEY) or _top_hooks(True) is not None:
-        return _HidePythonObjects()
-    return _NULL
-
-
-class _HidePythonObjects:
-    """Takes the objects out of TLS on enter and puts them back, in order, on exit."""
+class python_free_tls:  # noqa: N801 - used like a function returning a context manager
+    """Hides the backward's stashed context and any saved-tensor hooks from TLS on enter, and puts them
+    back, in order, on exit."""
 
     __slots__ = ("context", "hooks")
 
