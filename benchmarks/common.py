@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import statistics
 import sys
@@ -80,6 +81,19 @@ def add_step_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def _run_rank(rank: int, rank_main, *args) -> None:
+    """``rank_main(rank, *args)``, then exit without finalizing the interpreter.
+
+    gloo's worker thread may still hold the last collective's work (the harness's
+    ``all_gather_object``, whose tensors own Python objects) and take the GIL to free it; during
+    interpreter shutdown CPython ends that thread inside a ``noexcept`` destructor, a SIGABRT
+    (docs/troubleshooting.md). An exception still reaches torch's spawn wrapper."""
+    rank_main(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def spawn_ranks(rank_main, args) -> None:
     """Run ``rank_main(rank, world_size, port, args)`` on ``args.world_size`` spawned ranks."""
     import torch.multiprocessing as mp
@@ -87,4 +101,6 @@ def spawn_ranks(rank_main, args) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.start_processes(rank_main, args=(args.world_size, port, args), nprocs=args.world_size, start_method="spawn")
+    mp.start_processes(
+        _run_rank, args=(rank_main, args.world_size, port, args), nprocs=args.world_size, start_method="spawn"
+    )
