@@ -75,6 +75,20 @@ FAST_PATHS: dict[str, tuple[str, list[Rewrite | Swap]]] = {
         [Rewrite("fsdp_compose.runtime.hooks.forward:signal_post_backward",
                  "if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:", "if False:")],
     ),
+    "one_input_args": (
+        "the general walk of a call's arguments, for one plain tensor",
+        [Rewrite("fsdp_compose.runtime.hooks.forward:attach_post_backward_signal",
+                 "if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:", "if False:")],
+    ),
+    "output_no_pytree": (
+        "pytree's walk of a forward output, for a tensor or a tuple of tensors",
+        [Rewrite("fsdp_compose.runtime.hooks.forward:post_forward",
+                 "if type(output) is torch.Tensor:", "if False:"),
+         Rewrite("fsdp_compose.runtime.hooks.forward:output_tensors",
+                 "if is_tensor_leaf(output):", "if False:"),
+         Rewrite("fsdp_compose.runtime.hooks.forward:output_tensors",
+                 "if type(output) is tuple and", "if False and")],
+    ),
     "plain_args_no_pytree": (
         "pytree flatten/unflatten of (args, kwargs), for plain tensor arguments",
         [Rewrite("fsdp_compose.runtime.hooks.forward:plain_tensor_args",

@@ -26,6 +26,12 @@ def is_tensor_leaf(x: object) -> bool:
 def output_tensors(output: Any) -> Iterator[torch.Tensor]:
     """Every tensor in ``output``, dataclass fields included: pytree does not look inside dataclass
     instances, so ``Out(value=tensor)`` would hide its tensors from the pre-backward hook."""
+    if is_tensor_leaf(output):  # fast paths: a module's usual outputs skip the pytree walk
+        yield output
+        return
+    if type(output) is tuple and all(is_tensor_leaf(x) for x in output):
+        yield from output
+        return
     for leaf in tree_leaves(output):
         if isinstance(leaf, torch.Tensor):
             yield leaf
@@ -99,6 +105,8 @@ def _inputs_done(state: GroupState) -> None:
 
 def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Route grad-requiring inputs through an identity whose backward tells us the module is done."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the usual call: one plain tensor
+        return (signal_post_backward(state, [args[0]])[0],) if args[0].requires_grad else args, kwargs
     plain = plain_tensor_args(args, kwargs)
     flat, spec = (list(args), None) if plain else tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -171,6 +179,10 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
     record_post_forward(root, state)
     if state.reshards_after_forward():
         state.group.reshard(after_forward=True)
+    if type(output) is torch.Tensor:  # the usual output: no generator
+        if output.requires_grad:
+            register_pre_backward(output, state)
+        return output
     for x in output_tensors(output):
         if x.requires_grad:
             register_pre_backward(x, state)
