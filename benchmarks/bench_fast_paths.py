@@ -10,14 +10,15 @@ package changes) and measured against the unchanged library on an O(1) process g
 backend of ``bench_overhead.py``: collectives cost nothing, so what is timed is the host work of
 the library and autograd): one sharded model runs with each path switched off in turn (so where its
 tensors happen to lie in memory is the same for all), interleaved in rounds with the unsharded
-model and torch's FSDP2 in a shuffled order, so a slow spell of the machine hits all alike. Figures: the overhead per step (step time minus the
-unsharded model's) by thread CPU time, its change when the path is off, and Python calls per step
-(``sys.setprofile``: exact, untouched by noise). torch's FSDP2 is timed beside them for scale.
+model and torch's FSDP2 in a shuffled order, so a slow spell of the machine hits all alike.
+Figures: the overhead per step (step time minus the unsharded model's) by thread CPU time, its
+change when the path is off, and Python calls per step (``sys.setprofile``: exact, untouched by
+noise). torch's FSDP2 is timed beside them for scale.
 """
 
 from __future__ import annotations
-
 import __future__
+
 import argparse
 import inspect
 import os
@@ -249,8 +250,9 @@ def measure(groups: int, paths: list[str], args) -> None:
     dist.destroy_process_group()
     best = {kind: min(samples) for kind, samples in times.items()}
     over = {kind: (best[kind] - best["compute"]) * 1e6 for kind in kinds}
-    print(f"{groups} groups of Linear({args.dim},{args.dim}) + root, {args.backend} process group ws {args.world_size}; "
-          f"{'bf16 mixed precision; ' if args.mp else ''}best of {args.rounds} rounds of median-of-{args.steps}, thread CPU time; "
+    print(f"{groups} groups of Linear({args.dim},{args.dim}) + root, {args.backend} process group "
+          f"ws {args.world_size}; {'bf16 mixed precision; ' if args.mp else ''}best of {args.rounds} rounds "
+          f"of median-of-{args.steps}, thread CPU time; "
           f"torch's FSDP2 overhead {over['torch']:.0f} us/step, ours {over['ours']:.0f} "
           f"(ours/torch {over['ours'] / over['torch']:.3f})")
     print(f"    {'switched off':22s} {'overhead us/step':>16s} {'change':>8s} {'ours/torch':>10s} "
