@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from benchmarks import null_backend  # noqa: E402  (registers the "null" backend)
-from benchmarks.bench_overhead import build, stepper  # noqa: E402
+from benchmarks.bench_overhead import build, shard, stepper  # noqa: E402
 from benchmarks.common import median_time  # noqa: E402
 
 
@@ -143,8 +143,8 @@ def _resolve(function: str) -> tuple[object, str, object]:
     return owner, name, inspect.unwrap(owner.__dict__[name])
 
 
-def _rewritten(function: str, edits: list[Rewrite]) -> object:
-    owner, name, fn = _resolve(function)
+def _rewritten(function: str, fn: object, edits: list[Rewrite]) -> object:
+    """A copy of ``fn`` (found at ``function``) compiled from its source with ``edits`` applied."""
     lines, first = inspect.getsourcelines(fn)
     source = "\n" * (first - 1) + textwrap.dedent("".join(lines))  # tracebacks show the original lines
     for edit in edits:
@@ -155,7 +155,7 @@ def _rewritten(function: str, edits: list[Rewrite]) -> object:
     code = compile(source, module.__file__, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
     namespace: dict = {}
     exec(code, module.__dict__, namespace)  # the module's globals: the copy sees what the original sees
-    return namespace[name]
+    return namespace[fn.__name__]
 
 
 @contextmanager
@@ -171,14 +171,15 @@ def switched_off(path: str | None):
     for edit in FAST_PATHS[path][1]:
         if isinstance(edit, Swap):
             module_name, name = edit.function.split(":")
-            saved.append((sys.modules[module_name], name, getattr(sys.modules[module_name], name)))
-            setattr(sys.modules[module_name], name, edit.value)
+            module = sys.modules[module_name]
+            saved.append((module, name, getattr(module, name)))
+            setattr(module, name, edit.value)
         else:
             by_function.setdefault(edit.function, []).append(edit)
     for function, edits in by_function.items():
-        owner, name, _ = _resolve(function)
+        owner, name, fn = _resolve(function)
         original = owner.__dict__[name]
-        new = _rewritten(function, edits)
+        new = _rewritten(function, fn, edits)
         holders = [owner] if isinstance(owner, type) else [
             m for m in list(sys.modules.values())
             if m is not None and m.__name__.startswith("fsdp_compose") and m.__dict__.get(name) is original
@@ -191,14 +192,6 @@ def switched_off(path: str | None):
     finally:
         for holder, name, original in reversed(saved):
             setattr(holder, name, original)
-
-
-def shard(model: torch.nn.Sequential, fully_shard, mesh, policy) -> torch.nn.Sequential:
-    """Each layer a group, then the root, under ``policy`` (the library's own ``MixedPrecisionPolicy``)."""
-    for layer in model:
-        fully_shard(layer, mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
-    return model
 
 
 def python_calls(run) -> int:
@@ -230,8 +223,8 @@ def measure(groups: int, paths: list[str], args) -> None:
     mesh = init_device_mesh("cpu", (args.world_size,))
     x = torch.randn(4, args.dim)
     kinds: dict[str, tuple[object, str | None]] = {"compute": (build(groups, args.dim), None)}
-    kinds["torch"] = (shard(build(groups, args.dim), torch_fully_shard, mesh, TorchPolicy(*mp)), None)
-    ours = shard(build(groups, args.dim), fully_shard, mesh, MixedPrecisionPolicy(*mp))
+    kinds["torch"] = (shard(build(groups, args.dim), torch_fully_shard, mesh, mp_policy=TorchPolicy(*mp)), None)
+    ours = shard(build(groups, args.dim), fully_shard, mesh, mp_policy=MixedPrecisionPolicy(*mp))
     for path in [None, *paths]:  # one model, each path switched off in turn: no layout differences
         kinds[path or "ours"] = (ours, path)
     calls, times = {}, {kind: [] for kind in kinds}

@@ -33,10 +33,11 @@ def build(groups: int, dim: int) -> torch.nn.Sequential:
     return torch.nn.Sequential(*[torch.nn.Linear(dim, dim) for _ in range(groups)])
 
 
-def shard(model, fully_shard, mesh):
+def shard(model, fully_shard, mesh, **options):
+    """Each layer a group, then the root; ``options`` go to every ``fully_shard`` call."""
     for layer in model:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
     return model
 
 
