@@ -81,7 +81,7 @@ def make_runner(kind: str, base: GPT, args=None):
         shard(model, fully_shard)
     elif kind in (OURS_UNCHECKED, OURS_SHM):  # both are read when fully_shard runs
         from fsdp_compose import fully_shard
-        from fsdp_compose.runtime.divergence import CHECK_ENV
+        from fsdp_compose.runtime.handshake import CHECK_ENV
 
         name, value = (CHECK_ENV, "0") if kind == OURS_UNCHECKED else (TRANSPORT_ENV, "shm")
         before = os.environ.get(name)

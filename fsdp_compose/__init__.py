@@ -21,7 +21,7 @@ from .observe.explain import Explanation, collective_bytes, explain
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .quantize import quantize_all_gather
 from .runtime.c10d_direct import CollectiveError
-from .runtime.divergence import ExecutionOrderError
+from .runtime.handshake import ExecutionOrderError
 from .spmd_mesh import DataParallelMeshDims
 from .whole_model.checkpoint import exists as checkpoint_exists
 from .whole_model.checkpoint import load_checkpoint, save_checkpoint

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from fsdp_compose.comm import TRANSPORT_ENV, AllGather, ReduceScatter
 from fsdp_compose.runtime import c10d_direct as direct
-from fsdp_compose.runtime.divergence import (
+from fsdp_compose.runtime.handshake import (
     ALL_GATHER,
     KINDS,
     MAGIC,

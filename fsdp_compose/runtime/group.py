@@ -23,8 +23,7 @@ from .collectives import (
     reduce_scatter_rows,
 )
 from .comm_options import CommOptions
-from .divergence import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER
-from .handshake import Handshakes
+from .handshake import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes
 from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
 from .uids import new_uid

@@ -1,52 +1,72 @@
-"""Before each collective, ranks agree on which one they are about to run.
+"""Ranks agree on the collectives they run, and every rank raises the same error when they do not.
 
-On gloo, where mismatched buffers abort the process and different collectives hang, ranks first
-all-gather a 48-byte entry (magic, group id, kind, bytes, and the reduce-scatters it covers); if any
-differs every rank raises the same ``ExecutionOrderError``. A reduce-scatter waits for the next
-handshake on its process group, which covers it by a count and a digest: one synchronisation point
-per block. Elsewhere a handshake is logged on the host and judged once a step (``handshake_ledger.py``).
+A handshake issues nothing by itself: it appends (group id, kind, bytes) to its process group's
+ledger and folds it into a digest. Closing a round, one all-reduce (max) of (magic, count, digest)
+and their negations, 48 bytes at any world size, tells every rank whether all logged the same; on
+a mismatch ranks exchange their logs and raise ``ExecutionOrderError`` naming the first difference.
+
+When a round closes is the one backend-specific choice. On gloo a mismatched collective aborts the
+process or hangs, so a round closes before each all-gather and all-reduce and is read at once; a
+reduce-scatter only waits in the log, issued when the next round on its process group agrees
+(usually the next block's prefetch, else when backward ends): one synchronisation per block.
+Elsewhere a host read waits for the device, so a round closes when backward ends, its verdict is
+read a round later on an accelerator and never for fake tensors; collectives after a difference
+have run by then, and mismatched sizes may hang there until the timeout.
 ``FSDP_COMPOSE_CHECK_ORDER``: ``1`` (default), ``strict`` (reduce-scatters off gloo too) or ``0``;
 docs/schedule.md lists what is caught.
 """
 
 from __future__ import annotations
 
-import functools
+import os
 from collections.abc import Callable
 from functools import partial
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 
-from .c10d_direct import ASYNC_ALL_GATHER, python_free_tls, wait_named
-from .divergence import (
-    ALL_GATHER,
-    ALL_REDUCE,
-    KINDS,
-    MAGIC,
-    ONLY_REDUCES,
-    REDUCE_SCATTER,
-    ExecutionOrderError,
-    check_mode,
-    collective_text,
-    diverged_message,
-    entry_line,
-    fold_digest,
+from .c10d_direct import ASYNC_MAX_ALL_REDUCE, python_free_tls, wait_named
+
+CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
+MODES = ("1", "strict", "0")
+MAGIC = 0x4653_4450_4F52_4452
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = 1, 2, 3  # ALL_REDUCE: HSDP's sum across replicas
+KINDS = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter", ALL_REDUCE: "all-reduce"}
+BACKWARD_KINDS = (REDUCE_SCATTER, ALL_REDUCE)  # issued when a module's backward is done
+BACKWARD_HINT = (
+    "\n(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks "
+    "reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches "
+    "without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. "
+    "skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)"
 )
-from .handshake_ledger import Entry, Ledgers
+FOUND_LATE = (
+    "\n(on this backend the handshakes are compared on the device and judged when a step's backward ends, "
+    "so the collectives after the first difference already ran)"
+)
+SLOTS = 256  # collectives per round at most: a round closes early when its log is full
+NAMED_RANKS = 8  # ranks an error names
 
-FIELDS = 6  # magic, group id, kind, bytes, then the waiting reduce-scatters: how many, and their digest
-NAMED_REDUCES = 8  # waiting reduce-scatters an error names per rank
+
+class ExecutionOrderError(RuntimeError):
+    """Ranks were about to run different collectives of sharded modules: their forward/backward differ."""
+
+
+def check_mode() -> str:
+    """``FSDP_COMPOSE_CHECK_ORDER``: ``1`` (default), ``strict`` or ``0`` (see docs/schedule.md)."""
+    mode = os.environ.get(CHECK_ENV, "1")
+    if mode not in MODES:
+        raise ValueError(f"{CHECK_ENV}={mode!r}: expected one of {', '.join(MODES)} (docs/schedule.md)")
+    return mode
 
 
 def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
     """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``: (on every backend, on gloo).
 
-    On gloo all of them unless the check is off: there the handshake, a host-side check before the
-    collective, is what keeps a divergence from reaching gloo's abort. HSDP's all-reduce everywhere:
-    replicas never meet in a shard group's handshake, and replicas that ran equally sized modules in
-    another order would otherwise sum different groups' gradients without a word."""
+    On gloo all of them unless the check is off: judged before the collective, the handshake keeps a
+    divergence from reaching gloo's abort. HSDP's all-reduce everywhere: replicas never meet in a shard
+    group's handshake, and replicas that ran equally sized modules in another order would otherwise
+    sum different groups' gradients without a word."""
     mode = check_mode()
     if mode == "0":
         return frozenset(), frozenset()
@@ -54,35 +74,167 @@ def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(everywhere), frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
-class _Exchange:
-    """The tensors of one recurring gloo handshake, reused every step: this rank's entry, where the
-    gathered rows land, what they must equal (on the CPU compared as bytes through a numpy view)."""
+def fold_digest(digest: int, uid: int, kind: int, nbytes: int) -> int:
+    """``digest`` with one more collective (group, kind, bytes) folded in: equal digests mean equal sequences."""
+    return (digest * 1_000_003 + (uid * 8 + kind) * 65_537 + nbytes) % ((1 << 61) - 1)
 
-    def __init__(
-        self, uid: int, kind: int, nbytes: int, world: int, device: torch.device, waiting: list[Waiting] | None = None
-    ) -> None:
-        self.waiting = waiting or []
-        self.uid, self.kind = uid, kind
-        self.mine = torch.tensor([MAGIC, uid, kind, nbytes, *_digest(self.waiting)], dtype=torch.int64, device=device)
-        self.expected = self.mine.repeat(world)
-        self.received = self.mine.new_empty(world * FIELDS)
-        on_cpu = device.type == "cpu"
-        self.received_array = self.received.numpy() if on_cpu else None  # shares the tensor's memory
-        self.expected_bytes = self.expected.numpy().tobytes() if on_cpu else None
-        self.name_of: Callable[[int], str] | None = None
-        self.name: Callable[[], str] = str  # names the handshake if its wait fails; set with ``name_of``
 
-    def agreed(self) -> bool:
-        """Whether the collective gave back exactly the expected entries."""
-        if self.received_array is not None:
-            return self.received_array.tobytes() == self.expected_bytes
-        return torch.equal(self.received, self.expected)
+def collective_text(uid: int, kind: int, nbytes: int | None, name_of: Callable[[int], str]) -> str:
+    """``all-gather of 'blocks.3' (Block), 1736 bytes`` (``nbytes`` None: size not known)."""
+    return f"{KINDS[kind]} of {name_of(uid)}" + ("" if nbytes is None else f", {nbytes} bytes")
+
+
+def entry_line(rank: int, magic: int, uid: int, kind: int, nbytes: int | None, name_of: Callable[[int], str]) -> str:
+    """One rank's line: the collective its entry names."""
+    if magic != MAGIC or kind not in KINDS:
+        return f"  rank {rank}: <not a fully_shard collective>"
+    return f"  rank {rank}: {collective_text(uid, kind, nbytes, name_of)}"
+
+
+def diverged_message(lines: list[str], kinds: list[int]) -> str:
+    """The error every rank raises, from one line per rank named and the collective kinds in them."""
+    hint = BACKWARD_HINT if any(kind in BACKWARD_KINDS for kind in kinds) else ""
+    return (
+        "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
+        "a sharded module, ran a different number of forward calls, or ran modules in another order; "
+        "check data-dependent control flow):\n" + "\n".join(lines) + hint
+    )
+
+
+class Entry:
+    """One recurring handshake: the collective it names, and the ledger it is logged in."""
+
+    __slots__ = ("uid", "kind", "nbytes", "ledger")
+
+    def __init__(self, uid: int, kind: int, nbytes: int, ledger: Ledger) -> None:
+        self.uid, self.kind, self.nbytes, self.ledger = uid, kind, nbytes, ledger
+
+
+class Ledger:
+    """One process group's log of the current round, and the verdict of the previous one. ``before_each``
+    (gloo): rounds close before each collective, on the CPU, and reduce-scatters wait for the next."""
+
+    def __init__(self, group, device: torch.device, before_each: bool = False) -> None:
+        self.group = group
+        self.device = device
+        self.before_each = before_each
+        self.log: list[Entry] = []
+        self.digest = 0
+        self.waiting: list[Callable[[], None]] = []  # reduce-scatters issued once this round agrees
+        self.pending: tuple | None = None  # (verdict, event, log, name_of) of a closed round
+        self.name_of: Callable[[int], str] = str
+
+    def record(self, entry: Entry, name_of: Callable[[int], str]) -> None:
+        """Log one collective about to be issued: host arithmetic only, no collective and no read."""
+        if len(self.log) == SLOTS:
+            self.close_round()
+        self.log.append(entry)
+        self.digest = fold_digest(self.digest, entry.uid, entry.kind, entry.nbytes)
+        self.name_of = name_of
+
+    def close_round(self) -> None:
+        """Agree on this round's log on the device; read the verdict now on the CPU, next round elsewhere;
+        then issue the reduce-scatters that waited for it."""
+        previous, self.pending = self.pending, None
+        if previous is not None:
+            self._read(previous)
+        if not self.log:
+            return
+        log, waiting, name_of = self.log, self.waiting, self.name_of
+        fields = [MAGIC, len(log), self.digest]
+        self.log, self.digest, self.waiting = [], 0, []
+        mine = torch.tensor(fields + [-value for value in fields], dtype=torch.int64, device=self.device)
+        extremes = mine.clone()
+        with python_free_tls():
+            work = self.group.allreduce([extremes], ASYNC_MAX_ALL_REDUCE)
+        wait_named(work, partial(_round_name, log[-1], bool(waiting), self.before_each, name_of))
+        verdict = (extremes != mine).any()
+        event = None
+        if verdict.device.type != "cpu" and not is_fake(verdict):
+            verdict = verdict.to("cpu", non_blocking=True)
+            event = torch.Event(mine.device)
+            event.record()
+            self.pending = (verdict, event, log, name_of)
+        else:
+            self._read((verdict, None, log, name_of))
+        for issue in waiting:
+            issue()
+
+    def forget(self) -> None:
+        """Drop this round's log, its waiting reduce-scatters and any pending verdict (after a failed step)."""
+        self.pending = None
+        self.log, self.digest, self.waiting = [], 0, []
+
+    def _read(self, pending: tuple) -> None:
+        verdict, event, log, name_of = pending
+        if is_fake(verdict):  # a fake run has no values to judge
+            return
+        if event is not None:
+            event.synchronize()
+        if verdict.item():
+            logs: list = [None] * self.group.size()
+            dist.all_gather_object(logs, [(e.uid, e.kind, e.nbytes) for e in log], group=self.group)
+            message = _first_difference(logs, dist.get_process_group_ranks(self.group), name_of)
+            raise ExecutionOrderError(message if self.before_each else message + FOUND_LATE)
+
+
+def _round_name(last: Entry, waiting: bool, before_each: bool, name_of: Callable[[int], str]) -> str:
+    """Names a round whose all-reduce failed (built only then)."""
+    if not before_each:
+        return "the handshake when backward ends"
+    if last.kind == REDUCE_SCATTER and waiting:
+        return "the handshake before the waiting reduce-scatters"
+    return f"the handshake before the {KINDS[last.kind]} of {name_of(last.uid)}"
+
+
+def _first_difference(logs: list[list[tuple[int, int, int]]], ranks: list[int], name_of: Callable[[int], str]) -> str:
+    """The message naming each rank's collective at the first position where the logs differ."""
+    at = next((i for i in range(max(map(len, logs))) if len({tuple(log[i : i + 1]) for log in logs}) > 1), 0)
+    named = [(rank, log[at] if at < len(log) else None) for rank, log in zip(ranks, logs)]
+    if len(named) > NAMED_RANKS:  # the first rank, then those that differ from it
+        named = [named[0]] + [item for item in named[1:] if item[1] != named[0][1]][: NAMED_RANKS - 1]
+    lines = [
+        entry_line(rank, MAGIC, *entry, name_of) if entry else f"  rank {rank}: no further collective this round"
+        for rank, entry in named
+    ]
+    if len(named) < len(ranks):
+        lines.append(f"  (the first rank and up to {NAMED_RANKS - 1} that differ from it, of {len(ranks)})")
+    return diverged_message(lines, [entry[1] for _, entry in named if entry])
+
+
+class Ledgers:
+    """Every process group's ledger of one root (one model): closed together when a step ends."""
+
+    def __init__(self) -> None:
+        self.by_group: dict[object, Ledger] = {}
+
+    def ledger(self, group, device: torch.device, before_each: bool = False) -> Ledger:
+        """``group``'s ledger, agreeing on ``device`` from its next round (a moved model keeps its log
+        and its previous round's unread verdict)."""
+        ledger = self.by_group.get(group)
+        if ledger is None:
+            ledger = self.by_group[group] = Ledger(group, device, before_each)
+        ledger.device = device
+        return ledger
+
+    def flush(self) -> None:
+        """Agree on and issue the reduce-scatters waiting on gloo (when a group's backward begins and ends)."""
+        for ledger in list(self.by_group.values()):  # issuing may add a ledger (HSDP's replicas)
+            if ledger.waiting:
+                ledger.close_round()
+
+    def close_round(self) -> None:
+        for ledger in list(self.by_group.values()):
+            ledger.close_round()
+
+    def forget(self) -> None:
+        for ledger in self.by_group.values():
+            ledger.forget()
 
 
 class Handshakes:
     """One group's handshakes, cached per (kind, bytes, process group): the ``kinds`` pair of
-    ``handshake_kinds`` (every backend, gloo). On gloo judged on the host before the collective (``run``);
-    elsewhere logged in the root's ``ledgers`` and judged once a round (``handshake_ledger.py``)."""
+    ``handshake_kinds`` (every backend, gloo), logged in the root's ``ledgers``."""
 
     def __init__(
         self, uid: int, device: torch.device, name_of: Callable[[int], str], kinds: tuple | None = None
@@ -93,122 +245,47 @@ class Handshakes:
         self.on_gloo = everywhere | on_gloo  # kinds checked on gloo: every kind checked anywhere
         self.device = device
         self.name_of = name_of  # names any group by its uid (messages name other ranks' groups)
-        self._exchanges: dict[tuple[int, int, object], _Exchange | Entry | None] = {}
+        self._entries: dict[tuple[int, int, object], Entry | None] = {}
         self.ledgers = Ledgers()  # this group's own until the root's replaces it (``use_ledgers``)
 
     def refresh(self, device: torch.device) -> None:
         if device != self.device:
             self.device = device
-            self._exchanges.clear()
+            self._entries.clear()
 
     def use_ledgers(self, ledgers: Ledgers) -> None:
         """Record into the root's ledgers from now on, after judging what this group recorded alone."""
         if ledgers is not self.ledgers:
             self.ledgers.close_round()
             self.ledgers = ledgers
-            self._exchanges.clear()
+            self._entries.clear()
 
-    def _exchange(self, kind: int, nbytes: int, group) -> tuple[object, _Exchange | Entry | None]:
-        """The process group (``None``: the default) and its handshake for this collective, if any."""
+    def _entry(self, kind: int, nbytes: int, group) -> Entry | None:
+        """The handshake of this collective on ``group`` (``None``: the default), if it has one."""
         group = group if group is not None else dist.group.WORLD
         key = (kind, nbytes, group)
-        exchange = self._exchanges.get(key, False)
-        if exchange is False:
-            world = group.size()
+        entry = self._entries.get(key, False)
+        if entry is False:
             gloo = dist.get_backend(group) == "gloo"
-            if world <= 1 or kind not in (self.on_gloo if gloo else self.everywhere):
-                exchange = None
-            elif gloo:
-                exchange = _Exchange(self.uid, kind, nbytes, world, self.device)
-            else:
-                exchange = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, self.device))
-            self._exchanges[key] = exchange
-        return group, exchange
+            entry = None
+            if group.size() > 1 and kind in (self.on_gloo if gloo else self.everywhere):
+                device = torch.device("cpu") if gloo else self.device  # gloo: judged on the host
+                entry = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, device, before_each=gloo))
+            self._entries[key] = entry
+        return entry
 
     def check(self, kind: int, nbytes: int, group, issue: Callable[[], None] | None = None) -> None:
-        """Raise ``ExecutionOrderError`` on every rank unless all are about to run this collective, then
-        run ``issue`` (which issues it), if given. On gloo a reduce-scatter's ``issue`` waits for the next
-        handshake on its process group (usually the next block's prefetch, else ``flush``), which then
-        covers both: the waiting reduce-scatters must agree too, and are issued first."""
-        if kind in self.on_gloo:
-            group, exchange = self._exchange(kind, nbytes, group)
-            if type(exchange) is Entry:
-                exchange.ledger.record(exchange, self.name_of)
-            elif exchange is not None:
+        """Log this collective, then run ``issue`` (which issues it), if given. On gloo the round closes
+        first (``ExecutionOrderError`` on every rank unless all agree), except that a reduce-scatter's
+        ``issue`` waits for the next round on its process group, which then covers both."""
+        entry = self._entry(kind, nbytes, group) if kind in self.on_gloo else None
+        if entry is not None:
+            ledger = entry.ledger
+            ledger.record(entry, self.name_of)
+            if ledger.before_each:
                 if kind == REDUCE_SCATTER and issue is not None:
-                    self.ledgers.waiting.setdefault(group, []).append(Waiting(self.uid, nbytes, issue))
+                    ledger.waiting.append(issue)
                     return
-                self._run_covering(kind, nbytes, group, exchange)
+                ledger.close_round()
         if issue is not None:
             issue()
-
-    def flush(self) -> None:
-        """Agree on and issue the waiting reduce-scatters, one handshake per process group (when a group's
-        backward begins and when backward ends)."""
-        waiting_by_group = self.ledgers.waiting
-        while waiting_by_group:
-            self._run_covering(ONLY_REDUCES, 0, next(iter(waiting_by_group)))
-
-    def _run_covering(self, kind: int, nbytes: int, group, cached: _Exchange | None = None) -> None:
-        """Run the handshake (``cached`` unless reduce-scatters wait on ``group``), then issue those."""
-        waiting = self.ledgers.waiting.pop(group, None) if self.ledgers.waiting else None
-        if waiting or cached is None:
-            cached = _Exchange(self.uid, kind, nbytes, group.size(), self.device, waiting)
-        run(cached, group, self.name_of)
-        for reduce in waiting or ():
-            reduce.issue()
-
-
-class Waiting(NamedTuple):
-    """A reduce-scatter issued once the next handshake on its process group agrees on it."""
-
-    uid: int
-    nbytes: int
-    issue: Callable[[], None]
-
-
-def _digest(waiting: list[Waiting]) -> tuple[int, int]:
-    """How many reduce-scatters wait, and a digest of their groups and sizes (order included)."""
-    return len(waiting), functools.reduce(lambda d, r: fold_digest(d, r.uid, REDUCE_SCATTER, r.nbytes), waiting, 0)
-
-
-def run(exchange: _Exchange, group, name_of: Callable[[int], str]) -> None:
-    received = exchange.received
-    if exchange.name_of is not name_of:  # the failure message's builder, made once
-        exchange.name_of, exchange.name = name_of, partial(_handshake_name, exchange.uid, exchange.kind, name_of)
-    with python_free_tls():
-        work = group.all_gather_single(received, exchange.mine, ASYNC_ALL_GATHER)
-    if work is not None:
-        wait_named(work, exchange.name)
-    if not exchange.agreed():
-        _raise_diverged(exchange, received.view(-1, FIELDS).tolist(), group, name_of)
-
-
-def _handshake_name(uid: int, kind: int, name_of: Callable[[int], str]) -> str:
-    """Names a handshake whose wait failed. Takes no exchange: that would be a reference cycle."""
-    if kind == ONLY_REDUCES:
-        return "the handshake before the waiting reduce-scatters"
-    return f"the handshake before the {KINDS[kind]} of {name_of(uid)}"
-
-
-def _raise_diverged(exchange: _Exchange, rows: list[list[int]], group, name_of: Callable[[int], str]) -> None:
-    """Every rank got the same ``rows``, so every rank is here: name what each was about to run."""
-    waiting: list = [None] * group.size()
-    if any(row[4] for row in rows):  # every rank alike: the waiting reduce-scatters, to name them
-        dist.all_gather_object(waiting, [(r.uid, r.nbytes) for r in exchange.waiting[:NAMED_REDUCES]], group=group)
-    lines, kinds = [], []
-    for i, (rank, (magic, uid, kind, nbytes, count, _)) in enumerate(zip(dist.get_process_group_ranks(group), rows)):
-        if magic != MAGIC or (kind not in KINDS and kind != ONLY_REDUCES):
-            lines.append(entry_line(rank, magic, uid, kind, nbytes, name_of))
-            continue
-        parts = []
-        if count:
-            parts += [collective_text(u, REDUCE_SCATTER, b, name_of) for u, b in waiting[i]]
-            if count > NAMED_REDUCES:
-                parts.append(f"{count - NAMED_REDUCES} more reduce-scatters")
-            kinds.append(REDUCE_SCATTER)
-        if kind != ONLY_REDUCES:
-            parts.append(collective_text(uid, kind, nbytes, name_of))
-            kinds.append(kind)
-        lines.append(f"  rank {rank}: " + ", then ".join(parts))
-    raise ExecutionOrderError(diverged_message(lines, kinds))

@@ -13,7 +13,7 @@ from torch import nn
 
 from ..policies import MixedPrecisionPolicy
 from .group import ParamGroup
-from .handshake_ledger import Ledgers
+from .handshake import Ledgers
 from .uids import rank_key
 
 
@@ -110,7 +110,7 @@ class RootState:
     reference_index: dict[GroupState, int] = field(default_factory=dict)
     reference_final: bool = False  # the first step ended: later steps are compared with its order
     warned_order_change: bool = False
-    # handshakes on backends other than gloo, judged when each backward ends (handshake_ledger.py)
+    # every process group's handshake log (handshake.py): closed on gloo before each collective, else at backward end
     ledgers: Ledgers = field(default_factory=Ledgers)
 
 

@@ -3,8 +3,8 @@
 gloo itself aborts the process when ranks all-gather buffers of different sizes and hangs when
 they run different collectives; torch's FSDP2 shows exactly that (or trains on mixed-up
 shards when sizes happen to match). The handshake before each collective (runtime/handshake.py:
-an all-gather of each rank's 32-byte entry, or on large non-gloo groups an all-reduce of the
-entry and its negation) turns every case below into an ``ExecutionOrderError`` on every rank.
+on gloo a round of the ledger, an all-reduce of its count and digest and their negations, closed
+before the collective) turns every case below into an ``ExecutionOrderError`` on every rank.
 """
 
 import os
@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
 from fsdp_compose.runtime.c10d_direct import CollectiveError
-from fsdp_compose.runtime.divergence import CHECK_ENV, ExecutionOrderError, check_mode
+from fsdp_compose.runtime.handshake import CHECK_ENV, ExecutionOrderError, check_mode
 from tests.harness import run_on_ranks
 from tests.models import (
     TinyLM,
@@ -205,7 +205,7 @@ def test_a_rank_that_skipped_backward_is_named_at_once(mode):
         error0,
         """\
 ExecutionOrderError: Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
-  rank 0: reduce-scatter of '<root>' (LastKeptWhole), 60 bytes, then all-gather of 'small' (Linear), 40 bytes
+  rank 0: reduce-scatter of '<root>' (LastKeptWhole), 60 bytes
   rank 1: all-gather of 'small' (Linear), 40 bytes
 (reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)""",
     )

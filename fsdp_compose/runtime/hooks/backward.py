@@ -35,7 +35,7 @@ def pre_backward(state: GroupState) -> None:
     else:  # set_unshard_in_backward(False): only the prefetches
         for target in targets:
             target.group.start_unshard()
-    flush_reduces(root)  # what no all-gather above took with its handshake (gloo, see handshake.py)
+    root.ledgers.flush()  # the reduce-scatters no all-gather above took with its handshake (gloo)
 
 
 def on_grad_accumulated(state: GroupState, index: int) -> None:
@@ -77,10 +77,6 @@ def _bound_reductions(state: GroupState) -> None:
         reducing.pop(0).group.wait_reduces()
 
 
-def flush_reduces(root: RootState) -> None:
-    """Issue the reduce-scatters waiting for a handshake (on gloo they wait for the next one on their group)."""
-    if root.ledgers.waiting:
-        root.root_module_state.group.handshakes.flush()
 
 
 def end_of_backward(root: RootState) -> None:
@@ -91,7 +87,7 @@ def end_of_backward(root: RootState) -> None:
             post_backward(state)
         elif state.group.is_unsharded and state.reshard_after_backward:
             state.group.reshard()
-    flush_reduces(root)
+    root.ledgers.flush()
     if root.root_module_state.is_last_backward:
         for state in root.states:
             if state.group.pending_reduces:  # most groups' reductions finished long ago

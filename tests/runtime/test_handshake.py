@@ -1,4 +1,4 @@
-"""The ledger (backends other than gloo): which ranks its message names from the exchanged logs,
+"""The handshake ledger: which ranks its message names from the exchanged logs,
 and a verdict kept across a device change.
 
 Its collectives are shown on threaded ranks in ``test_fake_backend.py``; here the naming alone,
@@ -10,8 +10,14 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 
-from fsdp_compose.runtime.divergence import ALL_GATHER, REDUCE_SCATTER, ExecutionOrderError
-from fsdp_compose.runtime.handshake_ledger import Entry, Ledgers, _first_difference
+from fsdp_compose.runtime.handshake import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    Entry,
+    ExecutionOrderError,
+    Ledgers,
+    _first_difference,
+)
 
 SMALL, BIG = (1, ALL_GATHER, 40), (2, ALL_GATHER, 120)
 
@@ -31,8 +37,7 @@ Ranks diverged: they were about to run different collectives of sharded modules 
   rank 105: no further collective this round
   rank 110: all-gather of 'block2' (Linear), 120 bytes
   rank 111: all-gather of 'block2' (Linear), 120 bytes
-  (the first rank and up to 7 that differ from it, of 12)
-(on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
+  (the first rank and up to 7 that differ from it, of 12)""",
     )
 
 
