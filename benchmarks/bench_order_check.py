@@ -83,10 +83,21 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     for _ in range(200):
         handshakes.check(ALL_GATHER, 1024, None)
     latency = (time.perf_counter() - started) / 200
+    bare = {}  # what a handshake's collective costs alone: a round's all-reduce, beside an all-gather
+    entry, rows = torch.zeros(6, dtype=torch.int64), torch.zeros(6 * world_size, dtype=torch.int64)
+    for name, run in (("all_reduce", lambda: dist.all_reduce(entry)),
+                      ("all_gather", lambda: dist.all_gather_into_tensor(rows, entry))):
+        dist.barrier()
+        started = time.perf_counter()
+        for _ in range(200):
+            run()
+        bare[name] = (time.perf_counter() - started) / 200
     gathers = sum(s.group.stats.all_gathers for s in _states(runs["1"][0])) / (args.steps + 1)
     if rank == 0:
         print(f"one handshake: {latency * 1e6:.0f} us; {gathers:.0f} all-gathers per step -> "
               f"{latency * gathers * 1e3:.2f} ms per step added by the default mode")
+        print(f"bare 48-byte collectives: all_reduce {bare['all_reduce'] * 1e6:.0f} us, "
+              f"all_gather {bare['all_gather'] * 1e6:.0f} us")
         off, gathers, default = (statistics.median(times[m]) for m in modes)
         print(f"median step: checks off {off:.4f}s  all-gathers only {gathers:.4f}s ({gathers / off:.4f}x)  "
               f"default {default:.4f}s ({default / off:.4f}x; {default / gathers:.4f}x all-gathers only), "
