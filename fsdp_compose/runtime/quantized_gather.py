@@ -72,40 +72,57 @@ class BlockQuantized:
         flat = weight.detach().reshape(-1)
         data.zero_()
         buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=data.device)
-        for at, first, n, block, blocks in self._chunks(flat.numel(), shape, scales.numel()):
-            values = buffer[: blocks * self.block_size]
-            values[:n].copy_(flat[at : at + n])
-            scaled = values.view(blocks, self.block_size).div_(scales[block : block + blocks].unsqueeze(1))
+        for rank, ranks, at, n, wire, scale in self._spans(flat.numel(), shape, data, scales):
+            values = buffer[: wire.numel()].view(ranks, -1)
+            values[:, :n].copy_(_region(flat, rank, ranks, shape.numel())[:, at : at + n])
+            scaled = values.view(wire.shape).div_(scale)
             if self.dtype == torch.int8:
                 scaled.round_()
-            data[first : first + n].copy_(values[:n])
+            wire.view(ranks, -1)[:, :n].copy_(values[:, :n])
 
     def _dequantize_into(self, out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, shape: torch.Size) -> None:
         """Dequantize into ``out`` a few blocks at a time through one fp32 buffer, so fp32 products never
         exist for the whole weight at once (the backward re-gather's peak)."""
         flat = out.view(-1)
         buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=out.device)
-        for at, first, n, block, blocks in self._chunks(flat.numel(), shape, scales.numel()):
-            values = buffer[: blocks * self.block_size].view(blocks, self.block_size)
-            wire = data[first : first + blocks * self.block_size].view(blocks, self.block_size)
-            values.copy_(wire).mul_(scales[block : block + blocks].unsqueeze(1))
-            flat[at : at + n].copy_(values.view(-1)[:n])
+        for rank, ranks, at, n, wire, scale in self._spans(flat.numel(), shape, data, scales):
+            values = buffer[: wire.numel()].view(wire.shape)
+            values.copy_(wire).mul_(scale)
+            _region(flat, rank, ranks, shape.numel())[:, at : at + n].copy_(values.view(ranks, -1)[:, :n])
 
     def _chunk_elements(self) -> int:
         return max(1, _CHUNK_ELEMENTS // self.block_size) * self.block_size
 
-    def _chunks(self, numel: int, shape: torch.Size, total_blocks: int) -> Iterator[tuple[int, int, int, int, int]]:
+    def _spans(
+        self, numel: int, shape: torch.Size, data: torch.Tensor, scales: torch.Tensor
+    ) -> Iterator[tuple[int, int, int, int, torch.Tensor, torch.Tensor]]:
         """Walk a weight of ``numel`` elements (each rank's padded shard of ``shape`` in turn) a chunk at a
-        time: (where in the weight, where in the wire data, elements, first block, blocks)."""
-        per_rank, blocks_per_rank = shape.numel(), math.ceil(shape.numel() / self.block_size)
+        time: (first rank, ranks, where in their shards, elements, their (ranks, blocks, block) wire
+        values, their (ranks, blocks, 1) scales). Small shards go several ranks at once, so the kernels
+        per weight do not grow with the world size; a shard the weight cuts short goes alone."""
+        per_rank, size = shape.numel(), self.block_size
+        blocks_per_rank = math.ceil(per_rank / size)
+        world = scales.numel() // blocks_per_rank
+        wire_rows = data.view(world, blocks_per_rank * size)
+        scale_rows = scales.view(world, blocks_per_rank)
         chunk = self._chunk_elements()
-        for rank in range(total_blocks // blocks_per_rank):
-            start = rank * per_rank
-            rows = max(0, min(per_rank, numel - start))
-            first = rank * blocks_per_rank * self.block_size
-            for i in range(0, rows, chunk):
-                n = min(chunk, rows - i)
-                yield start + i, first + i, n, (first + i) // self.block_size, math.ceil(n / self.block_size)
+        whole = min(world, numel // per_rank) if per_rank else world  # ranks whose whole shard is in the weight
+        together = max(1, chunk // (blocks_per_rank * size))
+        spans = [(rank, min(together, whole - rank), per_rank) for rank in range(0, whole, together)]
+        if whole < world and numel > whole * per_rank:
+            spans.append((whole, 1, numel - whole * per_rank))
+        for rank, ranks, rows in spans:
+            for at in range(0, rows, chunk):
+                n = min(chunk, rows - at)
+                blocks = math.ceil(n / size)
+                first = at // size
+                wire = wire_rows[rank : rank + ranks, at : at + blocks * size].view(ranks, blocks, size)
+                yield rank, ranks, at, n, wire, scale_rows[rank : rank + ranks, first : first + blocks].unsqueeze(2)
+
+
+def _region(flat: torch.Tensor, rank: int, ranks: int, per_rank: int) -> torch.Tensor:
+    """``ranks`` consecutive ranks' part of the weight ``flat``, a row each (the last may be cut short)."""
+    return flat[rank * per_rank : min(flat.numel(), (rank + ranks) * per_rank)].view(ranks, -1)
 
 
 def wire_format_of(param: torch.Tensor) -> BlockQuantized | None:
