@@ -147,9 +147,8 @@ class Ledger:
         extremes = mine.clone()
         with python_free_tls():
             work = self.group.allreduce([extremes], ASYNC_MAX_ALL_REDUCE)
-        wait_named(work, partial(_round_name, log[-1], bool(waiting), self.before_each, name_of))
+        wait_named(work, partial(_round_name, log[-1], self.before_each, name_of))
         verdict = (extremes != mine).any()
-        event = None
         if verdict.device.type != "cpu" and not is_fake(verdict):
             verdict = verdict.to("cpu", non_blocking=True)
             event = torch.Event(mine.device)
@@ -178,11 +177,11 @@ class Ledger:
             raise ExecutionOrderError(message if self.before_each else message + FOUND_LATE)
 
 
-def _round_name(last: Entry, waiting: bool, before_each: bool, name_of: Callable[[int], str]) -> str:
-    """Names a round whose all-reduce failed (built only then)."""
+def _round_name(last: Entry, before_each: bool, name_of: Callable[[int], str]) -> str:
+    """Names a round whose all-reduce failed (built only then; on gloo a reduce-scatter last in the log waits)."""
     if not before_each:
         return "the handshake when backward ends"
-    if last.kind == REDUCE_SCATTER and waiting:
+    if last.kind == REDUCE_SCATTER:
         return "the handshake before the waiting reduce-scatters"
     return f"the handshake before the {KINDS[last.kind]} of {name_of(last.uid)}"
 
@@ -236,11 +235,9 @@ class Handshakes:
     """One group's handshakes, cached per (kind, bytes, process group): the ``kinds`` pair of
     ``handshake_kinds`` (every backend, gloo), logged in the root's ``ledgers``."""
 
-    def __init__(
-        self, uid: int, device: torch.device, name_of: Callable[[int], str], kinds: tuple | None = None
-    ) -> None:
+    def __init__(self, uid: int, device: torch.device, name_of: Callable[[int], str]) -> None:
         self.uid = uid
-        everywhere, on_gloo = kinds if kinds is not None else handshake_kinds()
+        everywhere, on_gloo = handshake_kinds()
         self.everywhere = everywhere  # kinds checked on every backend
         self.on_gloo = everywhere | on_gloo  # kinds checked on gloo: every kind checked anywhere
         self.device = device

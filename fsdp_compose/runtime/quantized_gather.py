@@ -69,60 +69,46 @@ class BlockQuantized:
     ) -> None:
         """Write into ``data`` the 1-byte values every rank sent, from ``weight`` and the gathered ``scales``
         (``shape``: one rank's padded shard), a few blocks at a time."""
-        flat = weight.detach().reshape(-1)
         data.zero_()
         buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=data.device)
-        for rank, ranks, at, n, wire, scale in self._spans(flat.numel(), shape, data, scales):
-            values = buffer[: wire.numel()].view(ranks, -1)
-            values[:, :n].copy_(_region(flat, rank, ranks, shape.numel())[:, at : at + n])
+        for part, wire, scale in self._spans(weight.detach().reshape(-1), shape, data, scales):
+            values = buffer[: wire.numel()].view(part.shape[0], -1)
+            values[:, : part.shape[1]].copy_(part)
             scaled = values.view(wire.shape).div_(scale)
             if self.dtype == torch.int8:
                 scaled.round_()
-            wire.view(ranks, -1)[:, :n].copy_(values[:, :n])
+            wire.view(part.shape[0], -1)[:, : part.shape[1]].copy_(values[:, : part.shape[1]])
 
     def _dequantize_into(self, out: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, shape: torch.Size) -> None:
         """Dequantize into ``out`` a few blocks at a time through one fp32 buffer, so fp32 products never
         exist for the whole weight at once (the backward re-gather's peak)."""
-        flat = out.view(-1)
         buffer = torch.empty(self._chunk_elements(), dtype=torch.float32, device=out.device)
-        for rank, ranks, at, n, wire, scale in self._spans(flat.numel(), shape, data, scales):
+        for part, wire, scale in self._spans(out.view(-1), shape, data, scales):
             values = buffer[: wire.numel()].view(wire.shape)
             values.copy_(wire).mul_(scale)
-            _region(flat, rank, ranks, shape.numel())[:, at : at + n].copy_(values.view(ranks, -1)[:, :n])
+            part.copy_(values.view(part.shape[0], -1)[:, : part.shape[1]])
 
     def _chunk_elements(self) -> int:
         return max(1, _CHUNK_ELEMENTS // self.block_size) * self.block_size
 
-    def _spans(
-        self, numel: int, shape: torch.Size, data: torch.Tensor, scales: torch.Tensor
-    ) -> Iterator[tuple[int, int, int, int, torch.Tensor, torch.Tensor]]:
-        """Walk a weight of ``numel`` elements (each rank's padded shard of ``shape`` in turn) a chunk at a
-        time: (first rank, ranks, where in their shards, elements, their (ranks, blocks, block) wire
-        values, their (ranks, blocks, 1) scales). Small shards go several ranks at once, so the kernels
-        per weight do not grow with the world size; a shard the weight cuts short goes alone."""
-        per_rank, size = shape.numel(), self.block_size
-        blocks_per_rank = math.ceil(per_rank / size)
-        world = scales.numel() // blocks_per_rank
-        wire_rows = data.view(world, blocks_per_rank * size)
-        scale_rows = scales.view(world, blocks_per_rank)
-        chunk = self._chunk_elements()
-        whole = min(world, numel // per_rank) if per_rank else world  # ranks whose whole shard is in the weight
-        together = max(1, chunk // (blocks_per_rank * size))
-        spans = [(rank, min(together, whole - rank), per_rank) for rank in range(0, whole, together)]
-        if whole < world and numel > whole * per_rank:
-            spans.append((whole, 1, numel - whole * per_rank))
-        for rank, ranks, rows in spans:
-            for at in range(0, rows, chunk):
-                n = min(chunk, rows - at)
-                blocks = math.ceil(n / size)
-                first = at // size
-                wire = wire_rows[rank : rank + ranks, at : at + blocks * size].view(ranks, blocks, size)
-                yield rank, ranks, at, n, wire, scale_rows[rank : rank + ranks, first : first + blocks].unsqueeze(2)
-
-
-def _region(flat: torch.Tensor, rank: int, ranks: int, per_rank: int) -> torch.Tensor:
-    """``ranks`` consecutive ranks' part of the weight ``flat``, a row each (the last may be cut short)."""
-    return flat[rank * per_rank : min(flat.numel(), (rank + ranks) * per_rank)].view(ranks, -1)
+    def _spans(self, flat: torch.Tensor, shape: torch.Size, data: torch.Tensor, scales: torch.Tensor) -> Iterator:
+        """Walk the weight ``flat`` (each rank's padded shard of ``shape`` in turn) a chunk at a time, as (its
+        part, a row per rank; those ranks' (ranks, blocks, block) wire values; their scales): small shards
+        go several ranks at once, so the kernels per weight do not grow with the world size."""
+        per_rank, size, chunk = shape.numel(), self.block_size, self._chunk_elements()
+        padded = math.ceil(per_rank / size) * size
+        world = data.numel() // padded
+        whole = min(world, flat.numel() // per_rank)  # ranks whose whole shard is in the weight
+        together = max(1, chunk // padded)
+        spans = [(rank, min(together, whole - rank)) for rank in range(0, whole, together)]
+        spans += [(whole, 1)] if flat.numel() > whole * per_rank else []
+        for rank, ranks in spans:
+            rows = flat[rank * per_rank : (rank + ranks) * per_rank].view(ranks, -1)
+            for at in range(0, rows.shape[1], chunk):
+                end = at + math.ceil(min(chunk, rows.shape[1] - at) / size) * size
+                wire = data.view(world, padded)[rank : rank + ranks, at:end].view(ranks, -1, size)
+                scale = scales.view(world, -1)[rank : rank + ranks, at // size : end // size, None]
+                yield rows[:, at : at + chunk], wire, scale
 
 
 def wire_format_of(param: torch.Tensor) -> BlockQuantized | None:
