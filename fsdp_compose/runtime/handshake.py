@@ -218,9 +218,8 @@ class Ledgers:
 
     def flush(self) -> None:
         """Agree on and issue the reduce-scatters waiting on gloo (when a group's backward begins and ends)."""
-        for ledger in list(self.by_group.values()):  # issuing may add a ledger (HSDP's replicas)
-            if ledger.waiting:
-                ledger.close_round()
+        for ledger in [ledger for ledger in self.by_group.values() if ledger.waiting]:  # issuing may add ledgers
+            ledger.close_round()
 
     def close_round(self) -> None:
         for ledger in list(self.by_group.values()):

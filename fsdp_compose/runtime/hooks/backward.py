@@ -77,8 +77,6 @@ def _bound_reductions(state: GroupState) -> None:
         reducing.pop(0).group.wait_reduces()
 
 
-
-
 def end_of_backward(root: RootState) -> None:
     """Finish the groups backward left open, wait for reductions, reset for the next step."""
     for state in root.states:
