@@ -96,18 +96,18 @@ class BlockQuantized:
         part, a row per rank; those ranks' (ranks, blocks, block) wire values; their scales): small shards
         go several ranks at once, so the kernels per weight do not grow with the world size."""
         per_rank, size, chunk = shape.numel(), self.block_size, self._chunk_elements()
-        padded = math.ceil(per_rank / size) * size
-        world = data.numel() // padded
-        whole = min(world, flat.numel() // per_rank)  # ranks whose whole shard is in the weight
-        together = max(1, chunk // padded)
+        wires = data.view(-1, math.ceil(per_rank / size) * size)  # a row per rank: its padded blocks
+        scale_rows = scales.view(wires.shape[0], -1)
+        whole = min(wires.shape[0], flat.numel() // per_rank)  # ranks whose whole shard is in the weight
+        together = max(1, chunk // wires.shape[1])
         spans = [(rank, min(together, whole - rank)) for rank in range(0, whole, together)]
         spans += [(whole, 1)] if flat.numel() > whole * per_rank else []
         for rank, ranks in spans:
             rows = flat[rank * per_rank : (rank + ranks) * per_rank].view(ranks, -1)
             for at in range(0, rows.shape[1], chunk):
                 end = at + math.ceil(min(chunk, rows.shape[1] - at) / size) * size
-                wire = data.view(world, padded)[rank : rank + ranks, at:end].view(ranks, -1, size)
-                scale = scales.view(world, -1)[rank : rank + ranks, at // size : end // size, None]
+                wire = wires[rank : rank + ranks, at:end].view(ranks, -1, size)
+                scale = scale_rows[rank : rank + ranks, at // size : end // size, None]
                 yield rows[:, at : at + chunk], wire, scale
 
 
