@@ -8,6 +8,7 @@ from clean processes and no test can hang the suite.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import queue
 import time
@@ -30,6 +31,7 @@ class RankFailure(AssertionError):
 
 
 def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
+    faulthandler.enable(all_threads=True)  # a crash (e.g. SIGSEGV) prints every thread's Python stack to stderr
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
