@@ -92,7 +92,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     bare = {}  # what a handshake's collective costs alone: a round's all-reduce, beside an all-gather
     entry, rows = torch.zeros(6, dtype=torch.int64), torch.zeros(6 * world_size, dtype=torch.int64)
     for name, run in (("all_reduce", lambda: dist.all_reduce(entry)),
-                      ("all_gather", lambda: dist.all_gather_into_tensor(rows, entry))):
+                      ("all_gather", lambda: dist.all_gather_single(rows, entry))):
         dist.barrier()
         started = time.perf_counter()
         for _ in range(200):
