@@ -29,6 +29,8 @@ from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
 from benchmarks.bench_step import CONFIG  # noqa: E402
 from fsdp_compose import fully_shard  # noqa: E402
 
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # torch 2.11: old name
+
 
 def _states(model):
     from fsdp_compose.runtime.state import state_of
@@ -92,7 +94,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     bare = {}  # what a handshake's collective costs alone: a round's all-reduce, beside an all-gather
     entry, rows = torch.zeros(6, dtype=torch.int64), torch.zeros(6 * world_size, dtype=torch.int64)
     for name, run in (("all_reduce", lambda: dist.all_reduce(entry)),
-                      ("all_gather", lambda: dist.all_gather_single(rows, entry))):
+                      ("all_gather", lambda: all_gather_single(rows, entry))):
         dist.barrier()
         started = time.perf_counter()
         for _ in range(200):

@@ -12,7 +12,9 @@ from contextlib import contextmanager
 
 from torch.distributed import ProcessGroup
 
-COUNTED = {"all_gather_single": "gather", "reduce_scatter_single": "scatter"}
+from fsdp_compose.runtime.c10d_direct import GATHER_METHOD, SCATTER_METHOD
+
+COUNTED = {GATHER_METHOD: "gather", SCATTER_METHOD: "scatter"}  # this torch's names for them
 
 
 def rss_bytes(field: str = "VmRSS") -> int:

@@ -112,4 +112,4 @@ def _create(store, rank: int, world_size: int, timeout) -> NullProcessGroup:
 
 
 if NAME not in dist.Backend.backend_list:
-    dist.Backend.register_backend(NAME, _create, devices=["cpu"])
+    dist.Backend.register_backend(NAME, _create, devices=["cpu", "cuda"])  # cuda: benchmarks/gpu_check.py

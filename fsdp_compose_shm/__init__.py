@@ -202,7 +202,7 @@ class ShmTransport:
         counters.syncs += 1
         try:
             with direct.python_free_tls():
-                work = self.group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
+                work = getattr(self.group, direct.GATHER_METHOD)(rows, mine, direct.ASYNC_ALL_GATHER)
             if work is not None:
                 direct.wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
@@ -350,7 +350,7 @@ def _set_up(group) -> ShmTransport | None:
     )
     rows = mine.new_empty(group.size() * 5)
     with direct.python_free_tls():
-        work = group.all_gather_single(rows, mine, direct.ASYNC_ALL_GATHER)
+        work = getattr(group, direct.GATHER_METHOD)(rows, mine, direct.ASYNC_ALL_GATHER)
     if work is not None:
         direct.wait_named(work, f"the shm transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()

@@ -15,11 +15,12 @@ from tools import core_targets
 # were cut to their why and the refresh verbs merged (4788), default_comms moved into comm.py (+16), then
 # design merges (one-use modules and helpers, the post-forward slice as group data) and two fixes (meta + offload,
 # replica handshakes off gloo); 4674 before the fast paths that did not pay were removed (bench_fast_paths.py); 4657
-# before gloo's handshake became a round of the same ledger (handshake.py, divergence.py and the ledger one module)
-API_AND_RUNTIME_LINES_CEILING = 4520
+# before gloo's handshake became a round of the same ledger (handshake.py, divergence.py and the ledger one module);
+# 4520 before torch 2.11-2.12 support (c10d_direct.py: their collective names, a backward without a TLS context)
+API_AND_RUNTIME_LINES_CEILING = 4531
 # features added since the issue was filed (protocol, ledger, estimate, quantized gather); 7918 before the shm
 # transport left the package for fsdp_compose_shm/ (and the runtime docstrings were cut); 7122 before one ledger
-PACKAGE_LINES_CEILING = 6985
+PACKAGE_LINES_CEILING = 6996  # 6985 before torch 2.11-2.12 support
 FILES_OVER_400_CEILING: set[str] = set()  # the target: params.py (424) split off its gradient path (param_grad.py)
 PRE_FORWARD_MODULES_CEILING = 8  # the target: 12 before one-idea merges (clean_tls, scopes, prefetch, input signal)
 FUNCTION_LEVEL_IMPORTS_CEILING = 0

@@ -107,7 +107,7 @@ def test_tensor_parallel_parameter_on_an_unrelated_mesh():
     layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), other["tp2"], [Shard(0)]))
     assert_expected_inline(
         message(lambda: fully_shard(layer, mesh=data_parallel["dp"])),
-        """ValueError: parameter 'weight' is a DTensor on mesh DeviceMesh((tp2=1), 'cpu', stride=((),)); fully_shard can shard it further only when it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])""",
+        """ValueError: parameter 'weight' is a DTensor on a cpu mesh of shape (1,) with dims ('tp2',); fully_shard can shard it further only when it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])""",
     )
 
 

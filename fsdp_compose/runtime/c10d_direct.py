@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ReduceScatterOptions
+from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, ProcessGroup, ReduceScatterOptions
+
+# torch 2.13's names of the single-tensor collectives; 2.11 and 2.12 have them only under the older ones.
+# Looked up at each call, so a wrapper a test sets on ProcessGroup sees every collective.
+_NAMED_SINGLE = hasattr(ProcessGroup, "all_gather_single")
+GATHER_METHOD = "all_gather_single" if _NAMED_SINGLE else "_allgather_base"
+SCATTER_METHOD = "reduce_scatter_single" if _NAMED_SINGLE else "_reduce_scatter_base"
 
 
 class CollectiveError(RuntimeError):
@@ -78,7 +84,7 @@ class DirectAllGather:
             if input_tensor.data_ptr() != output_tensor.data_ptr():  # pieces concatenated into output already
                 output_tensor.copy_(input_tensor)
             return _finished(COMPLETED, async_op)
-        return _finished(group.all_gather_single(output_tensor, input_tensor, ASYNC_ALL_GATHER), async_op)
+        return _finished(getattr(group, GATHER_METHOD)(output_tensor, input_tensor, ASYNC_ALL_GATHER), async_op)
 
 
 class DirectReduceScatter:
@@ -95,7 +101,8 @@ class DirectReduceScatter:
         if group.size() == 1:
             output_tensor.copy_(input_tensor)
             return _finished(COMPLETED, async_op)
-        return _finished(group.reduce_scatter_single(output_tensor, input_tensor, ASYNC_SUM_REDUCE_SCATTER), async_op)
+        scatter = getattr(group, SCATTER_METHOD)
+        return _finished(scatter(output_tensor, input_tensor, ASYNC_SUM_REDUCE_SCATTER), async_op)
 
 
 DIRECT_ALL_GATHER = DirectAllGather()
@@ -107,7 +114,9 @@ _autograd = torch._C._autograd
 # bound once: these run up to four times per group and step in backward
 _is_key_in_tls = torch._C._is_key_in_tls
 _get_obj_in_tls = torch._C._get_obj_in_tls
-_remove_obj_from_tls = torch._C._remove_obj_from_tls
+# before torch 2.13 (which added _remove_obj_from_tls) backward stashes no context: nothing to hide
+_remove_obj_from_tls = getattr(torch._C, "_remove_obj_from_tls", None)
+STASHES_CONTEXT = _remove_obj_from_tls is not None
 _stash_obj_in_tls = torch._C._stash_obj_in_tls
 _top_hooks = _autograd._top_saved_tensors_default_hooks
 _pop_hooks = _autograd._pop_saved_tensors_default_hooks
@@ -122,7 +131,7 @@ class python_free_tls:  # noqa: N801 - used like a function returning a context 
 
     def __enter__(self) -> None:
         self.context = None
-        if _is_key_in_tls(_CONTEXT_KEY):
+        if STASHES_CONTEXT and _is_key_in_tls(_CONTEXT_KEY):
             self.context = _get_obj_in_tls(_CONTEXT_KEY)
             _remove_obj_from_tls(_CONTEXT_KEY)
         self.hooks = None  # the usual backward has none: no list then

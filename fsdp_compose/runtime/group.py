@@ -274,7 +274,7 @@ class ParamGroup:
             cached = self._all_present.get(dtype)
             if cached is not None:
                 return cached
-        flags = torch.tensor(present, dtype=dtype, device=self.device)
+        flags = torch.tensor(present, dtype=dtype).to(self.device, non_blocking=True)  # no stream sync on a GPU
         if reached is None:
             pair = flags.expand(self.world_size, -1), None
         else:

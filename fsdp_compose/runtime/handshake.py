@@ -143,7 +143,8 @@ class Ledger:
         log, waiting, name_of = self.log, self.waiting, self.name_of
         fields = [MAGIC, len(log), self.digest]
         self.log, self.digest, self.waiting = [], 0, []
-        mine = torch.tensor(fields + [-value for value in fields], dtype=torch.int64, device=self.device)
+        # built on the host and copied without a stream sync (a blocking copy to a GPU would wait for it)
+        mine = torch.tensor(fields + [-value for value in fields], dtype=torch.int64).to(self.device, non_blocking=True)
         extremes = mine.clone()
         with python_free_tls():
             work = self.group.allreduce([extremes], ASYNC_MAX_ALL_REDUCE)

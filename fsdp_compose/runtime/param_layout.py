@@ -72,7 +72,8 @@ def spmd_layout(
     root = dp_mesh._get_root_mesh()
     if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root.ndim != 2:
         raise ValueError(
-            f"parameter '{fqn}' is a DTensor on mesh {tp_mesh}; fully_shard can shard it further only when "
+            f"parameter '{fqn}' is a DTensor on a {tp_mesh.device_type} mesh of shape {tuple(tp_mesh.shape)} with "
+            f"dims {tp_mesh.mesh_dim_names}; fully_shard can shard it further only when "
             "it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. "
             "mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])"
         )

@@ -3,6 +3,7 @@
 import torch
 from torch.distributed import ProcessGroup
 
+from fsdp_compose.runtime.c10d_direct import GATHER_METHOD
 from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
@@ -16,8 +17,8 @@ def _parity(ranks):
     group = state_of(model.blocks[0]).group
     full_bytes = sum(p.world_size * p.padded_numel * 4 for p in group.params)
     sizes = []
-    original = ProcessGroup.all_gather_single  # where every all-gather reaches the process group
-    raw = vars(ProcessGroup)["all_gather_single"]  # what restoring needs (pybind)
+    original = getattr(ProcessGroup, GATHER_METHOD)  # where every all-gather reaches the process group
+    raw = vars(ProcessGroup)[GATHER_METHOD]  # what restoring needs (pybind)
 
     def record(group, output, input, *args):
         if output.dtype != torch.int64:  # not the order-check handshake
@@ -27,11 +28,11 @@ def _parity(ranks):
     ids = torch.randint(0, 37, (2, 6))
     loss = lm_loss(model, ids)
     result["kept_after_forward"] = group.unsharded_nbytes() / full_bytes
-    ProcessGroup.all_gather_single = record
+    setattr(ProcessGroup, GATHER_METHOD, record)
     try:
         loss.backward()
     finally:
-        ProcessGroup.all_gather_single = raw
+        setattr(ProcessGroup, GATHER_METHOD, raw)
     result["backward_gather_group_sizes"] = sizes
     result["after_backward"] = group.unsharded_nbytes()
     return result

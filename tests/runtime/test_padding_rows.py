@@ -13,6 +13,7 @@ from torch.distributed.tensor import Shard
 
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import TRANSPORT_ENV
+from fsdp_compose.runtime.c10d_direct import SCATTER_METHOD
 from fsdp_compose.runtime.params import ShardedParam
 from fsdp_compose.runtime.state import states_in
 from tests.harness import run_on_ranks
@@ -46,19 +47,19 @@ def _step(model, batch):
 
 def _parity_and_tables() -> tuple[float, dict]:
     sent = {}  # width -> the last reduce-scatter input of that width, as (world, width)
-    original = ProcessGroup.reduce_scatter_single
-    raw = vars(ProcessGroup)["reduce_scatter_single"]
+    original = getattr(ProcessGroup, SCATTER_METHOD)
+    raw = vars(ProcessGroup)[SCATTER_METHOD]
 
     def watch(group, output, input, *args):
         table = input.view(group.size(), -1)
         sent[table.shape[1]] = table.tolist()
         return original(group, output, input, *args)
 
-    ProcessGroup.reduce_scatter_single = watch
+    setattr(ProcessGroup, SCATTER_METHOD, watch)
     try:
         worst = _parity(Narrow, _step, shard=_shard)
     finally:
-        ProcessGroup.reduce_scatter_single = raw
+        setattr(ProcessGroup, SCATTER_METHOD, raw)
     return worst, sent
 
 
