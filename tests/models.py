@@ -112,17 +112,26 @@ def full_value(param: torch.Tensor) -> torch.Tensor:
     return param.full_tensor()
 
 
+def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b|, and inf where either holds a NaN or inf: parity must fail on them (Python's ``max``
+    drops a NaN, ``max(x, nan) == x``, and ``nan <= tol`` is merely False)."""
+    if a.numel() == 0:  # an empty tensor differs nowhere
+        return 0.0
+    diff = (a.detach().float() - b.detach().float()).abs()
+    return diff.max().item() if bool(torch.isfinite(diff).all()) else float("inf")
+
+
+def worst_of(*values: float) -> float:
+    """The largest of ``values``, inf if any is NaN (``max`` would drop it)."""
+    return float("inf") if any(v != v for v in values) else max(values)
+
+
 def max_param_diff(model: nn.Module, reference: nn.Module) -> float:
     """Largest |sharded - reference| over parameters; names must match exactly."""
     ours = dict(model.named_parameters())
     theirs = dict(reference.named_parameters())
     assert list(ours) == list(theirs), (list(ours), list(theirs))
-    worst = 0.0
-    for name, param in ours.items():
-        full = full_value(param.detach()).float()
-        if full.numel():  # an empty parameter differs nowhere
-            worst = max(worst, (full - theirs[name].detach().float()).abs().max().item())
-    return worst
+    return worst_of(0.0, *(max_abs_diff(full_value(p.detach()), theirs[name]) for name, p in ours.items()))
 
 
 def max_grad_diff(model: nn.Module, reference: nn.Module) -> float:
@@ -134,8 +143,7 @@ def max_grad_diff(model: nn.Module, reference: nn.Module) -> float:
             assert param.grad is None and ref_grad is None, f"{name}: grad presence differs"
             continue
         full = param.grad.full_tensor() if hasattr(param.grad, "full_tensor") else param.grad
-        if full.numel():
-            worst = max(worst, (full - ref_grad).abs().max().item())
+        worst = max(worst, max_abs_diff(full, ref_grad))
     return worst
 
 
@@ -179,6 +187,10 @@ def train_against_reference(
         "losses": losses,
         "ref_losses": ref_losses,
         "param_diff": max_param_diff(model, reference),
+        "param_diffs": {  # by name, with the parameter's dtype: for per-dtype tolerances
+            name: (str(p.dtype), max_abs_diff(full_value(p.detach()), r))
+            for (name, p), r in zip(model.named_parameters(), reference.parameters())
+        },
         "grad_diff": max(grad_diffs),
         "names": [n for n, _ in model.named_parameters()],
     }
@@ -217,6 +229,13 @@ class SharedBlockLM(TinyLM):
         for block in self.blocks:
             x = block(x)
         return self.head(self.norm(x))
+
+
+def assert_parity_by_dtype(results: list[dict], tolerances: dict[str, float]) -> None:
+    """Every parameter within its dtype's tolerance (``tolerances`` names each dtype present), on every rank."""
+    for rank, r in enumerate(results):
+        for name, (dtype, diff) in r["param_diffs"].items():
+            assert diff <= tolerances[dtype], (rank, name, dtype, diff)
 
 
 def freeze(model: nn.Module, names: set[str]) -> nn.Module:

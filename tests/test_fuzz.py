@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 from tests.fuzz_models import build_model, shard_model
 from tests.harness import run_on_ranks
-from tests.models import max_grad_diff, max_param_diff, mean_across_ranks
+from tests.models import max_grad_diff, max_param_diff, mean_across_ranks, worst_of
 
 SEEDS = range(20)
 PER_RANK = 2
@@ -34,12 +34,12 @@ def _fuzz_one(seed: int) -> dict:
         ref_loss.backward()
         loss = model(batch[rank * PER_RANK : (rank + 1) * PER_RANK]).pow(2).mean()
         loss.backward()
-        worst = max(worst, abs(mean_across_ranks(loss) - ref_loss.item()), max_grad_diff(model, reference))
+        worst = worst_of(worst, abs(mean_across_ranks(loss) - ref_loss.item()), max_grad_diff(model, reference))
         opt.step()
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
-    worst = max(worst, max_param_diff(model, reference))
+    worst = worst_of(worst, max_param_diff(model, reference))
     return {"worst": worst, "plan": plan}
 
 

@@ -55,15 +55,16 @@ def _tied(head_first, reshard_after_forward):
 def test_tied_embedding_and_head(world_size, head_first):
     results = run_on_ranks(world_size, _tied, head_first, True)
     assert_parity(results)
-    r = results[0]
-    assert r["tied"] and r["one_state"] and r["resharded"]
     # forward: 5 groups, the tied group again for its second (third) use; backward: 3 blocks + tied
     # + the root (reshard_after_forward=True passed to the root applies to it too, as in torch)
     gathers = (6 + (1 if head_first else 0)) + 5
-    assert r["counts"] == {"all_gather_single": gathers, "reduce_scatter_single": 5}, r["counts"]
+    for r in results:  # every rank
+        assert r["tied"] and r["one_state"] and r["resharded"]
+        assert r["counts"] == {"all_gather_single": gathers, "reduce_scatter_single": 5}, r["counts"]
 
 
 def test_tied_without_reshard_after_forward():
     results = run_on_ranks(2, _tied, True, False)
     assert_parity(results)
-    assert results[0]["counts"] == {"all_gather_single": 5, "reduce_scatter_single": 5}
+    for r in results:
+        assert r["counts"] == {"all_gather_single": 5, "reduce_scatter_single": 5}, r["counts"]

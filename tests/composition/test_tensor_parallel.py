@@ -9,7 +9,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from fsdp_compose import fully_shard
 from tests.harness import run_on_ranks
-from tests.models import Block, TinyLM, max_param_diff, train_data_parallel_steps
+from tests.models import Block, TinyLM, max_grad_diff, max_param_diff, train_data_parallel_steps
 
 
 class TPLM(TinyLM):
@@ -21,7 +21,9 @@ class TPLM(TinyLM):
         self.blocks = torch.nn.ModuleList(Block(hidden=30) for _ in range(2))
 
 
-def _tp_fsdp():
+def _tp_fsdp(grad_scale: float = 1.0):
+    """``grad_scale`` != 1 multiplies the sharded gradients after each backward: the fault the gradient
+    check must see (AdamW alone is nearly blind to a scale)."""
     warnings.simplefilter("ignore")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp, tp = mesh["dp"], mesh["tp"]
@@ -42,12 +44,19 @@ def _tp_fsdp():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     dp_rank, dp_size = dp.get_local_rank(), dp.size()
-    losses = train_data_parallel_steps(model, reference, (opt, ref_opt), 4, dp_rank, dp_size)
-    return layout, losses, max_param_diff(model, reference)
+    grad_diffs = []
+
+    def check_gradients():
+        for p in model.parameters():
+            p.grad.mul_(grad_scale)
+        grad_diffs.append(max_grad_diff(model, reference))
+
+    losses = train_data_parallel_steps(model, reference, (opt, ref_opt), 4, dp_rank, dp_size, check_gradients)
+    return layout, losses, max_param_diff(model, reference), max(grad_diffs)
 
 
 def test_tp_plus_fsdp_matches_single_process():
-    for layout, losses, diff in run_on_ranks(4, _tp_fsdp):
+    for layout, losses, diff, grad_diff in run_on_ranks(4, _tp_fsdp):
         assert layout == {
             "fc1": ["_S(0, 2)", "S(0)"],  # dp splits the rows tp already split
             "fc2": ["S(0)", "S(1)"],
@@ -56,3 +65,12 @@ def test_tp_plus_fsdp_matches_single_process():
         }, layout
         assert all(abs(a - b) <= 1e-5 for a, b in losses), losses
         assert diff <= 1e-5, diff
+        assert grad_diff <= 1e-5, grad_diff
+
+
+def test_tp_plus_fsdp_gradient_check_sees_a_wrong_scale():
+    """The check above can fail: gradients x2 or x0.5 (a sum instead of a mean, a double division)
+    are far outside 1e-5, where the loss and AdamW's parameters alone miss x2 or come within 7x."""
+    for scale in (2.0, 0.5):
+        for *_, grad_diff in run_on_ranks(4, _tp_fsdp, scale):
+            assert grad_diff > 1e-3, (scale, grad_diff)

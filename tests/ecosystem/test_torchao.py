@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.harness import run_on_ranks
-from tests.models import local_slice, mean_across_ranks
+from tests.models import local_slice, max_abs_diff, mean_across_ranks
 
 pytest.importorskip("torchao")
 
@@ -160,8 +160,8 @@ def max_diffs(model: nn.Module, reference: nn.Module) -> tuple[float, float]:
         if not param.requires_grad:
             continue
         ref = theirs[name]
-        param_diff = max(param_diff, (full_tensor(param.detach()) - ref.detach()).abs().max().item())
-        grad_diff = max(grad_diff, (full_tensor(param.grad) - ref.grad).abs().max().item())
+        param_diff = max(param_diff, max_abs_diff(full_tensor(param.detach()), ref))
+        grad_diff = max(grad_diff, max_abs_diff(full_tensor(param.grad), ref.grad))
     return param_diff, grad_diff
 
 

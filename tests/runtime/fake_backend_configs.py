@@ -217,10 +217,10 @@ def side_by_side(world: int) -> dict:
     }
 
 
-def main(world: int, configs: list[str]) -> None:
+def main(world: int, configs: list[str], rank: int = 0) -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     results = {}
     for config in configs:
         started = time.perf_counter()
@@ -234,4 +234,4 @@ def main(world: int, configs: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2].split(","))
+    main(int(sys.argv[1]), sys.argv[2].split(","), *map(int, sys.argv[3:4]))

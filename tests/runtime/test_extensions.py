@@ -19,6 +19,7 @@ from torch.testing._internal.two_tensor import TwoTensor
 
 from fsdp_compose import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from tests.harness import run_on_ranks
+from tests.models import max_abs_diff
 
 DIM = 7  # rows 7 and 28: uneven at 2 (for 7) and 3 ranks
 
@@ -97,19 +98,19 @@ def _train(model, ref, steps, batch_of, loss_of=lambda y: y.sum(), tol=1e-5, com
         ref_loss.backward()
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss)
-        worst["loss"] = max(worst["loss"], (global_loss / world - _parts(ref_loss)[0]).abs().item())
+        worst["loss"] = max(worst["loss"], max_abs_diff(global_loss / world, _parts(ref_loss)[0]))
         for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
             if compare_grads:
                 assert p.grad is not None, name
                 want = _local_rows(_parts(r.grad)[0], p)
-                worst["grad"] = max(worst["grad"], (p.grad.to_local() - want).abs().max().item(), 0.0)
+                worst["grad"] = max(worst["grad"], max_abs_diff(p.grad.to_local(), want))
         opt.step()
         ref_opt.step()
         opt.zero_grad(set_to_none=step % 2 == 0)
         ref_opt.zero_grad(set_to_none=step % 2 == 0)
         for p, r in zip(model.parameters(), ref.parameters()):
             for mine, theirs in zip(_parts(p.to_local()), _parts(r.detach())):
-                worst["param"] = max(worst["param"], (mine - _local_rows(theirs, p)).abs().max().item())
+                worst["param"] = max(worst["param"], max_abs_diff(mine, _local_rows(theirs, p)))
     assert all(v <= tol for v in worst.values()), worst
     return worst
 
@@ -377,8 +378,8 @@ def test_float8_weights_and_scales_in_one_byte_all_gather():
     world, rows_inp, rows_out = 2, 4 * DIM, DIM
     # each gather: both weights in float8 (1 byte per element, rows padded) and an fp32 scale each
     per_step = world * ((-(-rows_inp // world)) * DIM + (-(-rows_out // world)) * 4 * DIM + 2 * 4)
-    gathers, nbytes = results[0]
-    assert nbytes == gathers * per_step, (gathers, nbytes, per_step)
+    for gathers, nbytes in results:  # every rank
+        assert nbytes == gathers * per_step, (gathers, nbytes, per_step)
 
 
 # ----- bf16 mixed precision: a TwoTensor model trains exactly like the same plain model ----------

@@ -33,9 +33,9 @@ ALL = (
 )
 
 
-def _run(world: int, configs: str) -> dict:
+def _run(world: int, configs: str, rank: int) -> dict:
     result = subprocess.run(
-        [sys.executable, "-m", "tests.runtime.fake_backend_configs", str(world), configs],
+        [sys.executable, "-m", "tests.runtime.fake_backend_configs", str(world), configs, str(rank)],
         cwd=ROOT,
         env=dict(os.environ, PYTHONPATH=ROOT),
         capture_output=True,
@@ -46,26 +46,41 @@ def _run(world: int, configs: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def _check(results: dict, configs: str, world: int) -> None:
+def _rows(total: int, parts: int, index: int) -> int:
+    """Rows ``Shard(0)`` gives piece ``index`` of ``parts`` (``torch.chunk``'s split: the last may hold none)."""
+    size = -(-total // parts)
+    return max(0, min(size, total - index * size))
+
+
+def _check(results: dict, configs: str, world: int, rank: int) -> None:
+    half = world // 2  # the shard dim of the 2-D meshes: (2, half), or (half, 2) for tp_2d
     for config in configs.split(","):
         got = results[config]
         assert "error" not in got, (config, got)
         if config == "side_by_side":
             assert got["adam_steps"][0] == got["adam_steps"][1] > 0, got
-            assert got["embed_local_rows"] == [-(-64 // world), -(-64 // (world // 2))], got
+            assert got["embed_local_rows"] == [_rows(64, world, rank), _rows(64, half, rank % half)], got
             continue
         assert got["loss_shape"] == [] and got["all_dtensors"], (config, got)
         assert got["grads_like_shards"] and got["adam_state_like_shards"], (config, got)
         assert got["gathered_with_protocol"] == (config == "protocol"), (config, got)
         assert got["quantized_bytes"] == (config == "quantized"), (config, got)
-        rows_over = world // 2 if config in ("hsdp", "hsdp_reshard_to_2", "tp_2d", "dp_mesh_dims") else world
-        expected_rows = 64 if config == "shard_dim_1" else -(-64 // rows_over)
+        if config == "shard_dim_1":
+            expected_rows = 64
+        elif config == "tp_2d":
+            expected_rows = _rows(64, half, rank // 2)
+        elif config in ("hsdp", "hsdp_reshard_to_2", "dp_mesh_dims"):
+            expected_rows = _rows(64, half, rank % half)
+        else:
+            expected_rows = _rows(64, world, rank)
         assert got["embed_local_rows"] == expected_rows, (config, got)
 
 
-@pytest.mark.parametrize(("world", "configs"), [(8, ALL), (1024, ALL)])
-def test_every_configuration_trains_two_steps_on_fake_tensors(world, configs):
-    _check(_run(world, configs), configs, world)
+# rank 0 at 8 ranks; the last rank at 1024, which holds no row of the 64-row embedding (empty shards,
+# padding rows only in its reduce-scatter tables)
+@pytest.mark.parametrize(("world", "rank"), [(8, 0), (1024, 1023)])
+def test_every_configuration_trains_two_steps_on_fake_tensors(world, rank):
+    _check(_run(world, ALL, rank), ALL, world, rank)
 
 
 # ----- divergence on a backend other than gloo: named when backward ends --------------------------

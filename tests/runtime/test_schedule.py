@@ -105,6 +105,70 @@ gather 'blocks.0' (Block)
     )
 
 
+def _trace_with_compute(prefetch_limit: int) -> list[str]:
+    """The second step's all-gathers and waits, between markers of compute: the embedding's and each
+    block's fc1 forward, and each fc1's output gradient in backward."""
+    model = sharded_lm()
+    ids = first_step(model)
+    state_of(model).root.prefetch_limit = prefetch_limit
+    with trace_unshards() as events:
+
+        def mark(name):
+            def on_forward(module, args, output):
+                events.append(f"compute {name}")
+                if output.requires_grad:
+                    output.register_hook(lambda grad: events.append(f"compute {name} (grad)"))
+
+            return on_forward
+
+        model.embed.register_forward_hook(mark("embed"))
+        for i, block in enumerate(model.blocks):
+            block.fc1.register_forward_hook(mark(f"blocks.{i}"))
+        loss = lm_loss(model, ids)
+        events.append("-- backward")
+        loss.backward()
+    return events
+
+
+def test_next_group_is_gathered_while_this_one_computes():
+    """Prefetch and overlap (README: "prefetched one group ahead"): block k+1's all-gather is issued
+    before block k computes and waited after, in forward and in backward. With prefetch off
+    (``prefetch_limit = 0``) every all-gather follows the compute before it, so the trace differs."""
+    for events in run_on_ranks(2, _trace_with_compute, 1):
+        assert_expected_inline(
+            "\n".join(events),
+            """\
+gather '<root>' (TinyLM)
+  wait '<root>' (TinyLM)
+gather 'blocks.0' (Block)
+compute embed
+  wait 'blocks.0' (Block)
+gather 'blocks.1' (Block)
+compute blocks.0
+  wait 'blocks.1' (Block)
+gather 'blocks.2' (Block)
+compute blocks.1
+  wait 'blocks.2' (Block)
+compute blocks.2
+-- backward
+gather 'blocks.2' (Block)
+  wait 'blocks.2' (Block)
+gather 'blocks.1' (Block)
+compute blocks.2 (grad)
+  wait 'blocks.1' (Block)
+gather 'blocks.0' (Block)
+compute blocks.1 (grad)
+  wait 'blocks.0' (Block)
+compute blocks.0 (grad)
+compute embed (grad)""",
+        )
+    for events in run_on_ranks(2, _trace_with_compute, 0):  # the control: each gather after the compute before it
+        assert events.index("gather 'blocks.1' (Block)") > events.index("compute blocks.0"), events
+        assert events.index("gather 'blocks.1' (Block)", events.index("-- backward")) > events.index(
+            "compute blocks.2 (grad)"
+        ), events
+
+
 def _in_flight_peak(n_blocks):
     """Sample, during forward and backward compute, how many blocks hold gathered data."""
     model = sharded_lm(n_blocks)
