@@ -117,7 +117,10 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     drops a NaN, ``max(x, nan) == x``, and ``nan <= tol`` is merely False)."""
     if a.numel() == 0:  # an empty tensor differs nowhere
         return 0.0
-    diff = (a.detach().float() - b.detach().float()).abs()
+    a, b = a.detach(), b.detach()
+    if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float64):  # widened first: exact
+        a, b = a.double(), b.double()  # (not for fp32 subclasses: torchao's float8 weight casts on copy)
+    diff = (a - b).abs()
     return diff.max().item() if bool(torch.isfinite(diff).all()) else float("inf")
 
 
@@ -193,7 +196,34 @@ def train_against_reference(
         },
         "grad_diff": max(grad_diffs),
         "names": [n for n, _ in model.named_parameters()],
+        "sharding": {  # by name: what this rank holds of each parameter and of its optimizer state
+            name: {
+                "placements": [str(pl) for pl in getattr(p, "placements", ())],
+                "shape": list(p.shape),
+                "local_shape": list(p.to_local().shape) if hasattr(p, "to_local") else list(p.shape),
+                "state_shapes": sorted({tuple(getattr(s, "to_local", lambda s=s: s)().shape)
+                                        for s in opt.state[p].values() if s.dim() > 0}),
+            }
+            for name, p in model.named_parameters()
+        },
     }
+
+
+def shard_rows(total: int, world_size: int, rank: int) -> int:
+    """Rows ``Shard(0)`` gives ``rank`` of ``total`` (``torch.chunk``'s split: the last ranks may hold none)."""
+    size = -(-total // world_size)
+    return max(0, min(size, total - rank * size))
+
+
+def assert_sharded(results: list[dict]) -> None:
+    """Every parameter a ``Shard(0)`` DTensor holding its 1/N of the rows on every rank, and its
+    optimizer state shaped like that shard (parameters, gradients and state at 1/N)."""
+    for rank, r in enumerate(results):
+        for name, s in r["sharding"].items():
+            rows = shard_rows(s["shape"][0], len(results), rank)
+            assert s["placements"] == ["S(0)"], (rank, name, s)
+            assert s["local_shape"] == [rows, *s["shape"][1:]], (rank, name, s)
+            assert s["state_shapes"] == [tuple(s["local_shape"])], (rank, name, s)
 
 
 def default_step(model: nn.Module, batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:

@@ -1,7 +1,7 @@
 import pytest
 
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
+from tests.models import TinyLM, assert_parity, assert_sharded, shard_blocks_then_root, train_against_reference
 
 
 def _parity_nested(reshard_after_forward):
@@ -13,7 +13,9 @@ def _parity_nested(reshard_after_forward):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_nested_parity(world_size, reshard_after_forward):
-    assert_parity(run_on_ranks(world_size, _parity_nested, reshard_after_forward))
+    results = run_on_ranks(world_size, _parity_nested, reshard_after_forward)
+    assert_parity(results)
+    assert_sharded(results)
 
 
 

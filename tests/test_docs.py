@@ -259,3 +259,16 @@ def test_a_failing_block_names_its_page_line_and_a_hang_is_killed(tmp_path: Path
     codes, timed_out = run.wait()
     assert timed_out and codes == [None, None]
     assert all(p.exitcode == -signal.SIGKILL for p in run.procs)
+
+
+def test_every_cited_test_exists() -> None:
+    """README.md and docs/ cite the tests behind their claims; each cited file and test must exist."""
+    cited = sorted({m for page in doc_pages() for m in re.findall(r"tests/[\w/]+\.py(?:::\w+)?", page.read_text())})
+    missing = []
+    for ref in cited:
+        path, _, name = ref.partition("::")
+        if not (REPO / path).is_file():
+            missing.append(ref)
+        elif name and not re.search(rf"^\s*(?:async )?def {name}\b", (REPO / path).read_text(), re.M):
+            missing.append(ref)
+    assert cited and not missing, missing

@@ -68,7 +68,9 @@ def _trace_second_step():
 
 
 def test_recorded_order_drives_prefetch():
-    recorded, events = run_on_ranks(2, _trace_second_step)[0]
+    results = run_on_ranks(2, _trace_second_step)
+    assert results[1] == results[0]  # every rank records and prefetches alike
+    recorded, events = results[0]
     assert_expected_inline(
         "\n".join(recorded["forward"]) + "\n|\n" + "\n".join(recorded["post_forward"]),
         """\
@@ -240,7 +242,9 @@ def _order_change_warns_once():
 
 
 def test_local_order_change_warns_once():
-    messages = run_on_ranks(2, _order_change_warns_once)[0]
+    results = run_on_ranks(2, _order_change_warns_once)
+    assert results[1] == results[0]  # every rank warns, once
+    messages = results[0]
     assert_expected_inline(
         "\n".join(messages),
         """fsdp_compose: the forward order of sharded modules differs from the first iteration at position 1 ('blocks.2' (Block) instead of 'blocks.0' (Block)); forward prefetch follows the first order, so overlap may suffer""",
@@ -271,6 +275,7 @@ def _explicit_prefetch():
 def test_explicit_prefetch():
     results = run_on_ranks(2, _explicit_prefetch)
     assert_parity(results)
+    assert results[1]["events"] == results[0]["events"]  # every rank
     # the first step has no recorded order: only the explicit lists prefetch
     assert_expected_inline(
         "\n".join(results[0]["events"]),

@@ -14,7 +14,15 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose import CheckpointError, load_checkpoint, save_checkpoint
 from tests.harness import RankFailure, pool, run_on_ranks
-from tests.models import TinyLM, global_batch, lm_loss, local_slice, mean_across_ranks, shard_blocks_then_root
+from tests.models import (
+    TinyLM,
+    global_batch,
+    lm_loss,
+    local_slice,
+    max_abs_diff,
+    mean_across_ranks,
+    shard_blocks_then_root,
+)
 
 
 def _setup(seed: int = 0, n_blocks: int = 3):
@@ -42,7 +50,7 @@ def _full_params(model: nn.Module) -> dict:
 
 def _diff(a: dict, b: dict) -> float:
     assert list(a) == list(b)
-    return max((a[k] - b[k]).abs().max().item() for k in a)
+    return max(max_abs_diff(a[k], b[k]) for k in a)
 
 
 # ----- resume -------------------------------------------------------------------------------

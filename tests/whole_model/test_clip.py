@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from fsdp_compose import clip_grad_norm_, fully_shard
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_grad_diff
+from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_abs_diff, max_grad_diff
 
 
 def _with_ignored_head() -> dict:
@@ -81,7 +81,7 @@ def _mixed_dtypes() -> dict:
         got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         want = (full_grads[name].double() * coef).to(p.dtype)
         tol = 1e-2 if p.dtype == torch.bfloat16 else 1e-6  # one bf16 rounding step
-        worst = max(worst, ((got.double() - want.double()).abs().max().item()) / tol)
+        worst = max(worst, max_abs_diff(got, want) / tol)
     out["clipped_grads_in_tolerance_units"] = worst
     return out
 

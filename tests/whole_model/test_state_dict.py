@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_compose import full_state_dict, fully_shard, load_full_state_dict
 from fsdp_compose.observe.storage import StorageTracker
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
+from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_abs_diff, shard_blocks_then_root
 
 TOL = 1e-6
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -29,7 +29,7 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 def _max_diff(ours: dict, theirs: dict) -> float:
     assert list(ours) == list(theirs), (list(ours), list(theirs))
-    return max((ours[k].detach() - theirs[k].detach()).abs().max().item() for k in ours)
+    return max(max_abs_diff(ours[k], theirs[k]) for k in ours)
 
 
 def _full(sd: dict) -> dict:
@@ -208,7 +208,7 @@ def _dcp_load(path: str) -> tuple[dict, dict]:
 def _states_diff(a: tuple[dict, dict], b: tuple[dict, dict]) -> float:
     params = _max_diff(a[0], b[0])
     assert sorted(a[1]) == sorted(b[1])
-    optim = max((a[1][n][k] - b[1][n][k]).abs().max().item() for n in a[1] for k in a[1][n])
+    optim = max(max_abs_diff(a[1][n][k], b[1][n][k]) for n in a[1] for k in a[1][n])
     return max(params, optim)
 
 
@@ -264,9 +264,10 @@ def _full_state_dict_memory() -> dict:
 def test_full_state_dict_peak_memory_is_one_group():
     for rank, r in enumerate(run_on_ranks(2, _full_state_dict_memory)):
         print(f"rank {rank}: {r}")
-        # counted by storage: rank 0 holds 2 groups (received rows, its concatenated shard, the
-        # padded pieces), rank 1 1 group; gloo's worker thread drops a finished gather's tensors
-        # only after wait() returns, so one earlier group may still be live (measured 3 and 2)
-        assert r["ours_extra"] <= 3 * r["group"], r
+        # counted by storage, beyond the result: rank 0 the rows it receives (one group), the
+        # others their half of it. gloo's worker thread drops a finished gather's tensors only after
+        # wait() returns, so the previous group's may still be live: measured 1 group on rank 0 and
+        # 0.5 or 1 on rank 1 in six runs, under load too; one more group allowed on rank 0 for it
+        assert r["ours_extra"] <= (2 if rank == 0 else 1) * r["group"], r
         # the measurement does see a whole-model (8-group) gather, so the bound above means something
         assert r["naive_peak"] >= 0.9 * r["total"], r

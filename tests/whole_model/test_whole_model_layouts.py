@@ -20,7 +20,7 @@ from fsdp_compose import (
 )
 from tests.composition.test_tensor_parallel import TPLM
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
+from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_abs_diff, shard_blocks_then_root
 
 
 def _layout(kind):
@@ -63,29 +63,29 @@ def _layout(kind):
     sharded = {k: v.full_tensor() for k, v in model.state_dict().items()}
     expected = reference.state_dict()
     out["sharded_keys_equal"] = list(sharded) == list(expected)
-    out["sharded_values"] = max((sharded[k] - expected[k]).abs().max().item() for k in expected)
+    out["sharded_values"] = max(max_abs_diff(sharded[k], expected[k]) for k in expected)
     full = full_state_dict(model, rank0_only=False)
-    out["full_values"] = max((full[k] - expected[k]).abs().max().item() for k in expected)
+    out["full_values"] = max(max_abs_diff(full[k], expected[k]) for k in expected)
     on_rank0 = full_state_dict(model)  # the default, rank0_only=True: TP must not hang the others
     out["rank0_only"] = (
-        max((on_rank0[k] - expected[k]).abs().max().item() for k in expected) == 0.0 if rank == 0 else not on_rank0
+        max(max_abs_diff(on_rank0[k], expected[k]) for k in expected) == 0.0 if rank == 0 else not on_rank0
     )
     with torch.no_grad():
         for p in model.parameters():
             p.to_local().zero_()
     load_full_state_dict(model, full if rank == 0 else None)
-    out["reloaded"] = max((model.state_dict()[k].full_tensor() - expected[k]).abs().max().item() for k in expected)
+    out["reloaded"] = max(max_abs_diff(model.state_dict()[k].full_tensor(), expected[k]) for k in expected)
     # summon: the module's own view (a TP DTensor under TP), gathered like full_state_dict; edits written back
     with summon_full_params(model):
         inside = dict(model.named_parameters())
         out["summoned_types"] = {type(p.data).__name__ for p in inside.values()}
         whole = {k: p.full_tensor() if isinstance(p, DTensor) else p for k, p in inside.items()}
-        out["summoned"] = max((whole[k] - expected[k]).abs().max().item() for k in inside)
+        out["summoned"] = max(max_abs_diff(whole[k], expected[k]) for k in inside)
         with torch.no_grad():
             for p in inside.values():
                 p.mul_(0.5)
     after = {k: v.full_tensor() for k, v in model.state_dict().items()}
-    out["written_back"] = max((after[k] - expected[k] * 0.5).abs().max().item() for k in expected)
+    out["written_back"] = max(max_abs_diff(after[k], expected[k] * 0.5) for k in expected)
     return out
 
 
