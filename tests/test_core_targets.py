@@ -20,7 +20,8 @@ from tools import core_targets
 API_AND_RUNTIME_LINES_CEILING = 4531
 # features added since the issue was filed (protocol, ledger, estimate, quantized gather); 7918 before the shm
 # transport left the package for fsdp_compose_shm/ (and the runtime docstrings were cut); 7122 before one ledger
-PACKAGE_LINES_CEILING = 6996  # 6985 before torch 2.11-2.12 support
+# 6985 before torch 2.11-2.12 support; 6996 before checkpoint loading read through an allowlist (checkpoint_safety.py)
+PACKAGE_LINES_CEILING = 7204
 FILES_OVER_400_CEILING: set[str] = set()  # the target: params.py (424) split off its gradient path (param_grad.py)
 PRE_FORWARD_MODULES_CEILING = 8  # the target: 12 before one-idea merges (clean_tls, scopes, prefetch, input signal)
 FUNCTION_LEVEL_IMPORTS_CEILING = 0

@@ -14,6 +14,7 @@ checkpoint, which a save keeps unless ``keep_previous=False``.
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 import shutil
@@ -26,7 +27,6 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from . import checkpoint_integrity as integrity
 from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
+from .checkpoint_safety import SafeLoadPlanner, SafeReader, load_plain, not_plain
 from .model_groups import reshard_idle
 
 
@@ -105,16 +106,28 @@ def save_checkpoint(
 ) -> None:
     """Save model and optimizer state (sharded), ``step`` and ``extra`` atomically to ``path``.
 
-    Call on every rank. ``extra`` is any picklable object, the same on every rank (e.g. a data
-    loader position or an LR scheduler's ``state_dict()``). ``keep_previous`` keeps the
-    checkpoint this one replaces as ``.<name>.previous`` for ``load_checkpoint(fallback=True)``.
+    Call on every rank. ``extra`` is plain data, the same on every rank (e.g. a data loader
+    position or an LR scheduler's ``state_dict()``): dicts, lists, tuples, strings, numbers,
+    booleans, None and tensors, what ``torch.load(weights_only=True)`` admits, so loading it runs no
+    code; anything else raises ``CheckpointError`` naming where in ``extra`` it sits.
+    ``keep_previous`` keeps the checkpoint this one replaces as ``.<name>.previous`` for
+    ``load_checkpoint(fallback=True)``.
     """
     path = Path(path)
     partial, previous = _siblings(path)
+    found = not_plain(extra)
+    if found is not None:
+        raise CheckpointError(
+            f"save_checkpoint: {found}; extra holds plain data only (dicts, lists, tuples, strings, numbers, "
+            "booleans, None, tensors), so that loading a checkpoint never runs code; store such an object's "
+            "state (e.g. its state_dict()) instead"
+        )
     reshard_idle(model, "save_checkpoint")
     flat = flatten(_state(model, optimizer))
     flat["meta.step"] = step
-    flat["meta.extra"] = pickle.dumps(extra)  # one opaque leaf: DCP would split a dict into keys
+    blob = io.BytesIO()
+    torch.save(extra, blob)
+    flat["meta.extra"] = blob.getvalue()  # one opaque leaf (DCP would split a dict into keys), torch.save's zip
 
     def prepare() -> None:
         if partial.exists():
@@ -152,6 +165,7 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     fallback: bool = False,
+    allow_pickled_extra: bool = False,
 ) -> tuple[int, Any]:
     """Load what ``save_checkpoint`` wrote, at any world size; return ``(step, extra)``.
 
@@ -161,8 +175,17 @@ def load_checkpoint(
     The model and the optimizer's state values are changed only if the whole checkpoint fits
     and reads cleanly; a fresh optimizer may have had its state initialized (torch's
     ``get_optimizer_state_dict`` does so) before a refused load.
+
+    Loading runs no code from the files: DCP's metadata and every value are read through an
+    allowlist of plain data (docs/checkpointing.md), and a crafted file raises ``CheckpointError``
+    naming it. Checkpoints of fsdp_compose before 0.1.1 pickled ``extra``; such a checkpoint loads only
+    with ``allow_pickled_extra=True``, which unpickles it and so runs whatever it names: pass it
+    only for a checkpoint you trust. A checkpoint ``torch.distributed.checkpoint.save`` wrote (its
+    state under "model" and, optionally, "optim"; no checksums) loads as ``(0, None)``.
     """
     where = resolve(path)
+    if _written_by_torch_dcp(where):
+        return _load_dcp(where, model, optimizer)
     try:
         integrity.verify(where)
     except CheckpointError as error:
@@ -172,26 +195,73 @@ def load_checkpoint(
         warnings.warn(f"{error}\nloading the previous checkpoint {str(previous)!r} instead", stacklevel=2)
         where = previous
         integrity.verify(where)
-    try:
-        metadata = FileSystemReader(where).read_metadata()
-    except Exception as error:  # noqa: BLE001 - any failure here means an unusable checkpoint
-        raise CheckpointError(f"cannot read the metadata of checkpoint {str(where)!r}: {error}") from error
+    staged, template = _read(where, model, optimizer, {"meta.step": 0, "meta.extra": b""})
+    extra = _extra(staged["meta.extra"], str(where), allow_pickled_extra)  # before anything changes
+    _apply(model, optimizer, staged, template)
+    return staged["meta.step"], extra
+
+
+def _read(where: Path, model: nn.Module, optimizer, meta: dict[str, Any]) -> tuple[dict, dict]:
+    """Check the checkpoint's metadata against the model (and optimizer), then read it all into
+    scratch tensors through the allowlist: (what was read by flat key, the state's template)."""
+    metadata = SafeReader(where).read_metadata()  # raises CheckpointError, naming the file
     reshard_idle(model, "load_checkpoint")
     template = _state(model, optimizer)
-    flat = flatten(template)
-    flat["meta.step"] = 0
-    flat["meta.extra"] = b""
+    flat = {**flatten(template), **meta}
     prefixes = ("model.", "optim.") if optimizer is not None else ("model.",)
     problems = mismatches(flat, metadata, prefixes)
     if problems:
         raise CheckpointError(format_problems(str(where), problems))
     staged = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
     try:
-        dcp.load(staged, checkpoint_id=where)
+        dcp.load(staged, storage_reader=SafeReader(where), planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
         raise CheckpointError(f"reading checkpoint {str(where)!r} failed; nothing was loaded: {error}") from error
+    return staged, template
+
+
+def _apply(model: nn.Module, optimizer, staged: dict, template: dict) -> None:
     state = map_leaves(template, lambda key, _: staged[key])
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
-    return staged["meta.step"], pickle.loads(staged["meta.extra"])
+
+
+def _extra(blob: bytes, where: str, allow_pickled: bool) -> Any:
+    """``extra`` from its stored bytes: torch.save's zip of plain data, or an older save's pickle."""
+    if blob[:2] == b"PK":
+        return load_plain(blob, f"'meta.extra' of checkpoint {where!r}")
+    if not allow_pickled:
+        raise CheckpointError(
+            f"checkpoint {where!r} stores extra as a pickle (fsdp_compose before 0.1.1), and unpickling runs "
+            "whatever code the file names; if you trust this checkpoint, load it knowingly with "
+            "load_checkpoint(..., allow_pickled_extra=True), then save it again to store extra as plain data"
+        )
+    return pickle.loads(blob)  # noqa: S301 - the caller's explicit opt-in for a checkpoint it trusts
+
+
+def _written_by_torch_dcp(where: Path) -> bool:
+    """No checksums and no step: torch.distributed.checkpoint.save's output, not one of ours that lost a file."""
+    if (where / integrity.MANIFEST).exists() or not (where / ".metadata").exists():
+        return False
+    return "meta.step" not in SafeReader(where).read_metadata().state_dict_metadata
+
+
+def _load_dcp(where: Path, model: nn.Module, optimizer) -> tuple[int, Any]:
+    """A checkpoint torch.distributed.checkpoint.save wrote: no checksums to verify, no step or extra."""
+    warnings.warn(
+        f"{str(where)!r} has no {integrity.MANIFEST}: loading it as a torch.distributed.checkpoint checkpoint, "
+        "without checksums (still through the allowlist)",
+        stacklevel=3,
+    )
+    reshard_idle(model, "load_checkpoint")
+    # staged copies in DCP's own layout (it keeps a list of names as one value, where ours splits it)
+    staged = map_leaves(_state(model, optimizer), lambda _, v: torch.empty_like(v) if torch.is_tensor(v) else v)
+    try:
+        dcp.load(staged, storage_reader=SafeReader(where), planner=SafeLoadPlanner())
+    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
+        raise CheckpointError(f"reading checkpoint {str(where)!r} failed; nothing was loaded: {error}") from error
+    set_model_state_dict(model, staged["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, staged["optim"])
+    return 0, None
