@@ -10,6 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
+from . import optimizer_check
 from .comm import default_comms
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
@@ -279,11 +280,14 @@ def fully_shard(
         reshard_after_forward_chosen=reshard_after_forward_chosen,
         mp_policy=mp_policy,
     )
+    optimizer_check.install()
     for index, (original, sp) in enumerate(zip(places, sharded)):
         sp.on_grad_accumulated = lambda _param, state=state, index=index: on_grad_accumulated(state, index)
         sp.use(unsharded=False)
         register_owner(original, state)
         register_owner(sp.sharded_param, state)
+        if original is not sp.sharded_param:
+            optimizer_check.mark_replaced(original, partial(_replaced_name, state, sp.fqn))
     register_state(state)
     if not on_meta:
         _move_own_buffers(modules, state, device)
@@ -293,6 +297,10 @@ def fully_shard(
         m.register_forward_hook(partial(post_forward_hook, state))
         become_fsdp_module(m)
     return module_list
+
+
+def _replaced_name(state: GroupState, fqn: str) -> str:
+    return f"'{fqn}' of {state.group.label}"
 
 
 # the state object of the call on a module, as torch's composable APIs offer: one per fully_shard call

@@ -236,7 +236,9 @@ def _meta_buffers_after_root() -> dict:
 
 
 def test_root_call_leaves_meta_buffers_to_to_empty():
-    result = run_on_ranks(2, _meta_buffers_after_root)[0]
+    results = run_on_ranks(2, _meta_buffers_after_root)
+    assert results[1] == results[0]  # every rank
+    result = results[0]
     assert result["after_root"] == {
         "root_cache": "meta",
         "layers.0.attention.rope_cache": "meta",
@@ -261,7 +263,9 @@ def _order_change_in_chunked_steps() -> list[str]:
 
 
 def test_a_changed_order_across_chunked_steps_still_warns_once():
-    messages = run_on_ranks(2, _order_change_in_chunked_steps)[0]
+    results = run_on_ranks(2, _order_change_in_chunked_steps)
+    assert results[1] == results[0]  # every rank warns, once
+    messages = results[0]
     assert_expected_inline(
         "\n".join(messages),
         """fsdp_compose: the forward order of sharded modules differs from the first iteration at position 2 ('layers.1' (TransformerBlock) instead of 'layers.0' (TransformerBlock)); forward prefetch follows the first order, so overlap may suffer""",
