@@ -10,10 +10,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from . import optimizer_check
 from .comm import default_comms
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
+from .optimizer_check import install_optimizer_check, mark_ignored, mark_replaced
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
 from .runtime.comm_options import CommOptions
 from .runtime.group import ParamGroup, PostForward
@@ -24,6 +24,7 @@ from .runtime.params import ShardedParam
 from .runtime.placement import DimShardedParam, resolve_shard_dim
 from .runtime.state import GroupState, class_name, group_label, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
+from .weights_check import check_same_values
 from .whole_model.state_dict_hooks import register_state_dict_hooks
 
 
@@ -250,6 +251,8 @@ def fully_shard(
     reshard_after_forward_chosen = reshard_after_forward is not None
     reshard_after_forward, post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
     ignored = set(ignored_params or ())
+    for param in ignored:
+        mark_ignored(param)
     places, names = _managed_params(modules, ignored)
     param_device = _check_one_device(module, names)
     on_meta = param_device is not None and param_device.type == "meta"  # materialized later, by to_empty
@@ -266,6 +269,8 @@ def fully_shard(
         cls = DimShardedParam if shard_dim else ShardedParam
         sharded.append(cls(param, places[param], fqn, mesh, layout, shard_dim, spmd, dp_dims, mp_policy))
 
+    check_same_values(class_name(module), {names[p]: p for p in places}, mesh, device)  # a collective per group
+
     # Nothing above changed the model; from here on, commit.
     all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
     comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
@@ -280,14 +285,14 @@ def fully_shard(
         reshard_after_forward_chosen=reshard_after_forward_chosen,
         mp_policy=mp_policy,
     )
-    optimizer_check.install()
+    install_optimizer_check()
     for index, (original, sp) in enumerate(zip(places, sharded)):
         sp.on_grad_accumulated = lambda _param, state=state, index=index: on_grad_accumulated(state, index)
         sp.use(unsharded=False)
         register_owner(original, state)
         register_owner(sp.sharded_param, state)
         if original is not sp.sharded_param:
-            optimizer_check.mark_replaced(original, partial(_replaced_name, state, sp.fqn))
+            mark_replaced(original, partial(_replaced_name, state, sp.fqn))
     register_state(state)
     if not on_meta:
         _move_own_buffers(modules, state, device)

@@ -1,4 +1,5 @@
-"""An optimizer built before ``fully_shard`` fails at its first step instead of training nothing.
+"""An optimizer built before ``fully_shard`` fails at its first step instead of training nothing,
+and one training unsharded parameters next to sharded ones warns that they will drift apart.
 
 ``fully_shard`` replaces each parameter it manages by a sharded DTensor; an optimizer built
 earlier holds the replaced tensors, which the model no longer uses, so every step updates
@@ -6,17 +7,28 @@ nothing and gradients accumulate forever, in silence (torch's FSDP2 too). ``full
 each replaced parameter with where it was; one global optimizer step pre-hook, installed by the
 first call, checks an optimizer's parameters at its first step (and again only when its number
 of parameter groups changes): one attribute read per step after that.
+
+The same first-step look warns about trainable parameters no ``fully_shard`` manages next to
+sharded ones, on more than one rank: nothing reduces their gradients, so ranks drift apart from
+the first step (typically the embedding and head when ``fully_shard(model)`` was forgotten). A
+warning, not an error: torch's ``replicate()`` or a user's own all-reduce keep such parameters
+in step legitimately, and neither can be seen from here. Parameters passed in ``ignored_params``
+and frozen ones are left alone.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .runtime.state import owner_of
+
 _REPLACED_ATTR = "_fsdp_compose_replaced_by"
+_IGNORED_ATTR = "_fsdp_compose_ignored"
 _CHECKED_ATTR = "_fsdp_compose_checked_groups"
 _installed = False
 
@@ -26,7 +38,12 @@ def mark_replaced(param: nn.Parameter, where: Callable[[], str]) -> None:
     setattr(param, _REPLACED_ATTR, where)
 
 
-def install() -> None:
+def mark_ignored(param: nn.Parameter) -> None:
+    """``param`` was passed in ``ignored_params``: meant to stay unsharded."""
+    setattr(param, _IGNORED_ATTR, True)
+
+
+def install_optimizer_check() -> None:
     """Register the step pre-hook once per process."""
     global _installed
     if not _installed:
@@ -38,8 +55,14 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     groups = optimizer.param_groups
     if getattr(optimizer, _CHECKED_ATTR, None) == len(groups):
         return
+    unmanaged, sharded_ranks = [], 1
     for group in groups:
         for param in group["params"]:
+            if owner_of(param) is not None:
+                mesh = getattr(param, "device_mesh", None)
+                sharded_ranks = max(sharded_ranks, mesh.size() if mesh is not None else 1)
+            elif param.requires_grad and not hasattr(param, _IGNORED_ATTR) and not hasattr(param, "device_mesh"):
+                unmanaged.append(param)
             where = getattr(param, _REPLACED_ATTR, None)
             if where is not None:
                 raise RuntimeError(
@@ -48,4 +71,15 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
                     "would update tensors the model no longer uses and nothing would train. Build the optimizer "
                     "after fully_shard, e.g. torch.optim.AdamW(model.parameters()) once every module is sharded"
                 )
+    if unmanaged and sharded_ranks > 1:
+        shapes = ", ".join(str(tuple(p.shape)) for p in unmanaged[:4]) + (", ..." if len(unmanaged) > 4 else "")
+        warnings.warn(
+            f"{type(optimizer).__name__}.step(): the optimizer trains {len(unmanaged)} parameter(s) no fully_shard "
+            f"manages next to sharded ones (shapes {shapes}): nothing reduces their gradients across ranks, so the "
+            "ranks' copies drift apart from the first step (e.g. the embedding and head when fully_shard(model) "
+            "was not called on the root). Call fully_shard on the root too, after its blocks; pass parameters "
+            "meant to stay local in ignored_params; or keep them in step yourself (torch's replicate(), or an "
+            "all-reduce of their gradients)",
+            stacklevel=3,
+        )
     setattr(optimizer, _CHECKED_ATTR, len(groups))

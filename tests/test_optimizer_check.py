@@ -6,7 +6,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_compose import optimizer_check
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
+from tests.models import TinyLM, full_value, global_batch, lm_loss, local_slice, shard_blocks_then_root
 
 
 def _optimizer_first(check: bool) -> dict:
@@ -53,3 +53,53 @@ def test_an_optimizer_built_before_fully_shard_fails_at_its_first_step():
 def test_without_the_check_the_mistake_trains_nothing():
     for out in run_on_ranks(2, _optimizer_first, False):
         assert out["error"] is None and out["unchanged"], out
+
+
+def _root_left_unsharded(how: str) -> dict:
+    import warnings
+
+    import torch.distributed as dist
+
+    from fsdp_compose import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TinyLM()
+    if how == "frozen":
+        for p in [*model.embed.parameters(), *model.norm.parameters(), *model.head.parameters()]:
+            p.requires_grad_(False)
+    for block in model.blocks:
+        fully_shard(block)
+    if how == "root sharded":
+        fully_shard(model)
+    elif how == "ignored":
+        fully_shard(model, ignored_params={*model.embed.parameters(), *model.norm.parameters(), *model.head.parameters()})
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        lm_loss(model, local_slice(global_batch(0, world), rank, world)).backward()
+        optimizer.step()
+    head = full_value(model.head.weight.detach()).clone()
+    heads = [torch.empty_like(head) for _ in range(world)]
+    dist.all_gather(heads, head)
+    return {
+        "warnings": [str(w.message) for w in caught if "no fully_shard manages" in str(w.message)],
+        "heads_equal": all(torch.equal(h, heads[0]) for h in heads),
+    }
+
+
+def test_trainable_parameters_no_fully_shard_manages_warn_at_the_first_step():
+    """Issue 40, item 2: the blocks sharded, the root not: its embedding, norm and head train on each
+    rank's own gradients, and the heads differ after one step. A warning on every rank (an error would
+    break torch's replicate() or a user's own all-reduce, which keep such parameters in step)."""
+    for out in run_on_ranks(2, _root_left_unsharded, "root unsharded"):
+        assert len(out["warnings"]) == 1 and not out["heads_equal"], out
+        assert out["warnings"][0].startswith(
+            "SGD.step(): the optimizer trains 5 parameter(s) no fully_shard manages next to sharded ones "
+            "(shapes (37, 13), (13,), (13,), (37, 13), ...)"
+        ), out["warnings"]
+        assert "Call fully_shard on the root too" in out["warnings"][0]
+    for how in ("root sharded", "ignored", "frozen"):  # the fixes, and what is meant to stay local: silent
+        for out in run_on_ranks(2, _root_left_unsharded, how):
+            assert out["warnings"] == [], (how, out)
+            assert out["heads_equal"] == (how != "ignored"), (how, out)

@@ -169,6 +169,7 @@ def test_not_plain_names_the_place():
     assert not_plain(lambda: 0).startswith("extra: a builtins.function")
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")  # the bare pickle's protocol, which torch notes
 def test_load_plain_refuses_a_payload(tmp_path):
     marker = tmp_path / "ran"
     saved = io.BytesIO()

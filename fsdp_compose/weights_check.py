@@ -1,0 +1,54 @@
+"""Ranks that built different weights fail at ``fully_shard``, not after days of a mixed model.
+
+Each rank's shard is cut from its own copy of a parameter, so ranks that built different values
+(``torch.manual_seed(rank)`` before the model, pretrained weights loaded on rank 0 only) train a
+mix of several initialisations, in silence (torch's FSDP2 too). While the full values still
+exist, ``fully_shard`` compares a fingerprint of each parameter (its sum and sum of squares, in
+float64) across the data-parallel ranks: one all-reduce of 4 numbers per parameter per group, at
+construction only. Meta and fake parameters are skipped (no values yet), tensor subclasses (their
+own arithmetic), and a world of one. ``FSDP_COMPOSE_CHECK_INIT=0`` turns it off for ranks that differ on purpose.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._subclasses.fake_tensor import is_fake
+from torch.distributed.device_mesh import DeviceMesh
+
+CHECK_ENV = "FSDP_COMPOSE_CHECK_INIT"
+
+
+def check_same_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh, device: torch.device) -> None:
+    """Raise on every rank if the data-parallel ranks of ``mesh`` hold different ``params`` (name -> value)."""
+    if os.environ.get(CHECK_ENV, "1") == "0" or not params or mesh.size() == 1:
+        return
+    pieces = {name: p.to_local() if hasattr(p, "to_local") else p for name, p in params.items()}  # TP: this rank's
+    if any(v.is_meta or is_fake(v) for v in pieces.values()):
+        return
+    # plain tensors only: a subclass (float8, NF4, the extension protocol's) defines its own arithmetic
+    params = {name: v for name, v in pieces.items() if type(v) in (torch.Tensor, nn.Parameter)}
+    values = list(params.values())
+    if not values:
+        return
+    with torch.no_grad():
+        prints = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in values])
+        prints = torch.nan_to_num(prints.to(device), nan=1.0e300).flatten()  # NaN compares equal to itself here
+        extremes = torch.cat([prints, -prints])
+        for dim in range(mesh.ndim):
+            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        highest, lowest = extremes[: prints.numel()], -extremes[prints.numel() :]
+        differs = (highest != lowest).view(-1, 2).any(dim=1).tolist()
+    if any(differs):
+        names = [name for name, different in zip(params, differs) if different]
+        listed = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise ValueError(
+            f"fully_shard({owner}): ranks hold different values of {listed}; each rank's shard would come from its "
+            "own copy, so the model would train as a mix of several initialisations. Build the model with the same "
+            "seed on every rank (torch.manual_seed before building it), load pretrained weights on every rank, or "
+            "make them equal first (fsdp_compose.sync_module_states(model) before fully_shard). If ranks differ "
+            f"on purpose, set {CHECK_ENV}=0"
+        )
