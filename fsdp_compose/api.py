@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 from .comm import default_comms
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
-from .optimizer_check import install_optimizer_check, mark_ignored, mark_replaced
+from .optimizer_check import install_optimizer_check, mark_ignored
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
 from .runtime.comm_options import CommOptions
 from .runtime.group import ParamGroup, PostForward
@@ -289,10 +289,8 @@ def fully_shard(
     for index, (original, sp) in enumerate(zip(places, sharded)):
         sp.on_grad_accumulated = lambda _param, state=state, index=index: on_grad_accumulated(state, index)
         sp.use(unsharded=False)
-        register_owner(original, state)
+        register_owner(original, state, replaced_at=sp.fqn)  # the optimizer check names it (optimizer_check.py)
         register_owner(sp.sharded_param, state)
-        if original is not sp.sharded_param:
-            mark_replaced(original, partial(_replaced_name, state, sp.fqn))
     register_state(state)
     if not on_meta:
         _move_own_buffers(modules, state, device)
@@ -302,10 +300,6 @@ def fully_shard(
         m.register_forward_hook(partial(post_forward_hook, state))
         become_fsdp_module(m)
     return module_list
-
-
-def _replaced_name(state: GroupState, fqn: str) -> str:
-    return f"'{fqn}' of {state.group.label}"
 
 
 # the state object of the call on a module, as torch's composable APIs offer: one per fully_shard call

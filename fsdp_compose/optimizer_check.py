@@ -1,41 +1,30 @@
 """An optimizer built before ``fully_shard`` fails at its first step instead of training nothing,
 and one training unsharded parameters next to sharded ones warns that they will drift apart.
 
-``fully_shard`` replaces each parameter it manages by a sharded DTensor; an optimizer built
-earlier holds the replaced tensors, which the model no longer uses, so every step updates
-nothing and gradients accumulate forever, in silence (torch's FSDP2 too). ``fully_shard`` marks
-each replaced parameter with where it was; one global optimizer step pre-hook, installed by the
-first call, checks an optimizer's parameters at its first step (and again only when its number
-of parameter groups changes): one attribute read per step after that.
+An optimizer built before ``fully_shard`` holds the tensors it replaced, which the model no longer
+uses: every step would update nothing, in silence (torch's FSDP2 too). Their owner mark carries
+their name (``runtime/state.py``); one global step pre-hook looks at an optimizer's parameters at
+its first step (again only if its parameter groups change): one attribute read per step after.
 
-The same first-step look warns about trainable parameters no ``fully_shard`` manages next to
-sharded ones, on more than one rank: nothing reduces their gradients, so ranks drift apart from
-the first step (typically the embedding and head when ``fully_shard(model)`` was forgotten). A
-warning, not an error: torch's ``replicate()`` or a user's own all-reduce keep such parameters
-in step legitimately, and neither can be seen from here. Parameters passed in ``ignored_params``
-and frozen ones are left alone.
+It also warns about trainable parameters no ``fully_shard`` manages next to sharded ones, on
+several ranks: nothing reduces their gradients (typically a forgotten ``fully_shard(model)``). Not
+an error: torch's ``replicate()`` or a user's own all-reduce keep them in step legitimately,
+unseen from here. ``ignored_params`` and frozen parameters are left alone.
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .runtime.state import owner_of
+from .runtime.state import owner_of, replaced_at
 
-_REPLACED_ATTR = "_fsdp_compose_replaced_by"
 _IGNORED_ATTR = "_fsdp_compose_ignored"
 _CHECKED_ATTR = "_fsdp_compose_checked_groups"
 _installed = False
-
-
-def mark_replaced(param: nn.Parameter, where: Callable[[], str]) -> None:
-    """``param`` was replaced by its shard; ``where()`` names it (built only for the error)."""
-    setattr(param, _REPLACED_ATTR, where)
 
 
 def mark_ignored(param: nn.Parameter) -> None:
@@ -58,19 +47,20 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     unmanaged, sharded_ranks = [], 1
     for group in groups:
         for param in group["params"]:
-            if owner_of(param) is not None:
+            owner, name = owner_of(param), replaced_at(param)
+            if name is not None and owner is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__}.step(): the optimizer holds parameter '{name}' of "
+                    f"{owner.group.label}, which fully_shard replaced by its sharded DTensor; this optimizer was "
+                    "built before fully_shard, so every step would update tensors the model no longer uses and "
+                    "nothing would train. Build the optimizer after fully_shard, e.g. "
+                    "torch.optim.AdamW(model.parameters()) once every module is sharded"
+                )
+            if owner is not None:
                 mesh = getattr(param, "device_mesh", None)
                 sharded_ranks = max(sharded_ranks, mesh.size() if mesh is not None else 1)
             elif param.requires_grad and not hasattr(param, _IGNORED_ATTR) and not hasattr(param, "device_mesh"):
                 unmanaged.append(param)
-            where = getattr(param, _REPLACED_ATTR, None)
-            if where is not None:
-                raise RuntimeError(
-                    f"{type(optimizer).__name__}.step(): the optimizer holds parameter {where()}, which fully_shard "
-                    "replaced by its sharded DTensor; this optimizer was built before fully_shard, so every step "
-                    "would update tensors the model no longer uses and nothing would train. Build the optimizer "
-                    "after fully_shard, e.g. torch.optim.AdamW(model.parameters()) once every module is sharded"
-                )
     if unmanaged and sharded_ranks > 1:
         shapes = ", ".join(str(tuple(p.shape)) for p in unmanaged[:4]) + (", ..." if len(unmanaged) > 4 else "")
         warnings.warn(

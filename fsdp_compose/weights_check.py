@@ -2,11 +2,11 @@
 
 Each rank's shard is cut from its own copy of a parameter, so ranks that built different values
 (``torch.manual_seed(rank)`` before the model, pretrained weights loaded on rank 0 only) train a
-mix of several initialisations, in silence (torch's FSDP2 too). While the full values still
-exist, ``fully_shard`` compares a fingerprint of each parameter (its sum and sum of squares, in
-float64) across the data-parallel ranks: one all-reduce of 4 numbers per parameter per group, at
-construction only. Meta and fake parameters are skipped (no values yet), tensor subclasses (their
-own arithmetic), and a world of one. ``FSDP_COMPOSE_CHECK_INIT=0`` turns it off for ranks that differ on purpose.
+mix of several initialisations, in silence (torch's FSDP2 too). While the full values exist,
+``fully_shard`` compares each parameter's float64 sum and sum of squares across the data-parallel
+ranks as the divergence check compares its rounds (``handshake.disagreement``), at construction
+only. Skipped: meta and fake parameters (no values yet), tensor subclasses (their own arithmetic),
+a world of one, and ``FSDP_COMPOSE_CHECK_INIT=0`` (ranks that differ on purpose).
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from __future__ import annotations
 import os
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
+
+from .runtime.handshake import disagreement
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_INIT"
 
@@ -37,11 +38,9 @@ def check_same_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceM
     with torch.no_grad():
         prints = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in values])
         prints = torch.nan_to_num(prints.to(device), nan=1.0e300).flatten()  # NaN compares equal to itself here
-        extremes = torch.cat([prints, -prints])
-        for dim in range(mesh.ndim):
-            dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
-        highest, lowest = extremes[: prints.numel()], -extremes[prints.numel() :]
-        differs = (highest != lowest).view(-1, 2).any(dim=1).tolist()
+        groups = tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
+        found = disagreement(torch.cat([prints, -prints]), groups, f"fully_shard({owner})'s comparison of weights")
+        differs = (found[: prints.numel()] | found[prints.numel() :]).view(-1, 2).any(dim=1).tolist()
     if any(differs):
         names = [name for name, different in zip(params, differs) if different]
         listed = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

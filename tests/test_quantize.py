@@ -107,17 +107,25 @@ def test_composes(case, world_size, shard_ranks, kwargs):
     assert_parity(run_on_ranks(world_size, _parity, "int8", shard_ranks, **kwargs))
 
 
+BF16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _bf16_tiny_lm(quantized: bool) -> TinyLM:
+    """TinyLM sharded with bf16 compute, its weights travelling as int8 blocks of ``BLOCK`` if ``quantized``."""
+    torch.manual_seed(0)
+    model = TinyLM()
+    if quantized:
+        quantize_all_gather(model, block_size=BLOCK, min_numel=0)
+    shard_blocks_then_root(model, mp_policy=BF16)
+    return model
+
+
 def _bf16_drift_and_bytes():
     from tests.models import global_batch, lm_loss, local_slice, mean_across_ranks
 
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     curves, gathered = [], []
     for quantized in (False, True):
-        torch.manual_seed(0)
-        model = TinyLM()
-        if quantized:
-            quantize_all_gather(model, block_size=BLOCK, min_numel=0)
-        shard_blocks_then_root(model, mp_policy=mp)
+        model = _bf16_tiny_lm(quantized)
         plan = explain(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         curve = []
@@ -143,55 +151,24 @@ def test_bf16_drift_is_small():
         assert max(abs(a - b) / a for a, b in zip(plain, quantized)) < 0.01, curves
 
 
-def _uint8_gathers(run) -> list[int]:
-    """The byte sizes the process group's all-gathers receive while ``run()`` runs (data travels as
-    uint8; the order check's rounds are int64): measured at the collective, not from our counters."""
-    from torch.distributed import ProcessGroup
-
-    from fsdp_compose.runtime.c10d_direct import GATHER_METHOD
-
-    sizes, raw = [], vars(ProcessGroup)[GATHER_METHOD]
-
-    def record(group, output, input, *args):
-        if output.dtype == torch.uint8:
-            sizes.append(output.numel())
-        return raw(group, output, input, *args)
-
-    setattr(ProcessGroup, GATHER_METHOD, record)
-    try:
-        run()
-    finally:
-        setattr(ProcessGroup, GATHER_METHOD, raw)
-    return sizes
-
-
-def _lm_step(model, ids) -> None:
-    lm_loss(model, ids).backward()
-
-
-def _sum_step(model, x) -> None:
-    model(x).sum().backward()
-
-
 def _gathered_bytes() -> dict:
-    """One bf16 step's all-gathers, plain and int8: TinyLM at blocks of 16, and one 512x512 weight at
-    the default block of 128 (the README's 0.52x)."""
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    """One bf16 step's all-gathers, plain and int8, as the process group receives them (data travels as
+    uint8): TinyLM at blocks of 16, and one 512x512 weight at the default block of 128 (the README's 0.52x)."""
+    from tests.runtime.test_collectives import record_gathers
+
     out = {}
     for quantized in (False, True):
-        torch.manual_seed(0)
-        model = TinyLM()
-        if quantized:
-            quantize_all_gather(model, block_size=BLOCK, min_numel=0)
-        shard_blocks_then_root(model, mp_policy=mp)
-        ids = torch.randint(0, 37, (2, 6))
-        out["tiny", quantized] = _uint8_gathers(functools.partial(_lm_step, model, ids))
+        model = _bf16_tiny_lm(quantized)
+        with record_gathers() as gathers:
+            lm_loss(model, torch.randint(0, 37, (2, 6))).backward()
+        out["tiny", quantized] = [nbytes for _, dtype, nbytes in gathers if dtype == torch.uint8]
         big = nn.Linear(512, 512, bias=False)
         if quantized:
             quantize_all_gather(big, min_numel=0)
-        fully_shard(big, mp_policy=mp)
-        x = torch.randn(2, 512)
-        out["big", quantized] = _uint8_gathers(functools.partial(_sum_step, big, x))
+        fully_shard(big, mp_policy=BF16)
+        with record_gathers() as gathers:
+            big(torch.randn(2, 512)).sum().backward()
+        out["big", quantized] = [nbytes for _, dtype, nbytes in gathers if dtype == torch.uint8]
     return out
 
 

@@ -67,3 +67,22 @@ def _meta_is_skipped() -> bool:
 
 def test_meta_parameters_are_not_compared():
     assert run_on_ranks(2, _meta_is_skipped) == [True, True]
+
+
+def _hsdp_one_rank_differs() -> str | None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(1 if dist.get_rank() == 3 else 0)  # agrees with rank 0 along no mesh dim
+    try:
+        fully_shard(TinyLM().blocks[0], mesh=mesh)
+    except ValueError as error:
+        return str(error).split(";")[0]
+    return None
+
+
+def test_hsdp_a_rank_differing_off_this_ranks_dims_is_still_seen():
+    """Compared over the whole 2-D mesh, not each dim alone: rank 0 shares no mesh group with rank 3."""
+    assert run_on_ranks(4, _hsdp_one_rank_differs) == [
+        "fully_shard(Block): ranks hold different values of 'fc1.weight', 'fc1.bias', 'fc2.weight' and 1 more"
+    ] * 4  # the norm's ones and zeros do not depend on the seed

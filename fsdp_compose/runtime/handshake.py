@@ -145,11 +145,7 @@ class Ledger:
         self.log, self.digest, self.waiting = [], 0, []
         # built on the host and copied without a stream sync (a blocking copy to a GPU would wait for it)
         mine = torch.tensor(fields + [-value for value in fields], dtype=torch.int64).to(self.device, non_blocking=True)
-        extremes = mine.clone()
-        with python_free_tls():
-            work = self.group.allreduce([extremes], ASYNC_MAX_ALL_REDUCE)
-        wait_named(work, partial(_round_name, log[-1], self.before_each, name_of))
-        verdict = (extremes != mine).any()
+        verdict = disagreement(mine, (self.group,), partial(_round_name, log[-1], self.before_each, name_of)).any()
         if verdict.device.type != "cpu" and not is_fake(verdict):
             verdict = verdict.to("cpu", non_blocking=True)
             event = torch.Event(mine.device)
@@ -176,6 +172,18 @@ class Ledger:
             dist.all_gather_object(logs, [(e.uid, e.kind, e.nbytes) for e in log], group=self.group)
             message = _first_difference(logs, dist.get_process_group_ranks(self.group), name_of)
             raise ExecutionOrderError(message if self.before_each else message + FOUND_LATE)
+
+
+def disagreement(mine: torch.Tensor, groups: tuple, name: str | Callable[[], str]) -> torch.Tensor:
+    """Where the ranks of ``groups`` (a mesh's dims) hold different values, elementwise, on the device: ``mine``
+    is the values then their negations, so an all-reduce (max) per group gives each one's largest and minus
+    its smallest over all ranks, and any element unlike ``mine`` differs somewhere. ``name`` names a failed wait."""
+    extremes = mine.clone()
+    for group in groups:
+        with python_free_tls():
+            work = group.allreduce([extremes], ASYNC_MAX_ALL_REDUCE)
+        wait_named(work, name)
+    return extremes != mine
 
 
 def _round_name(last: Entry, before_each: bool, name_of: Callable[[int], str]) -> str:

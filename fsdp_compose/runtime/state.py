@@ -165,9 +165,16 @@ def group_label(uid: int) -> str:
 
 
 def owner_of(param: nn.Parameter) -> GroupState | None:
-    ref = getattr(param, _OWNER_ATTR, None)
-    return ref() if ref is not None else None
+    mark = getattr(param, _OWNER_ATTR, None)
+    return mark[0]() if mark is not None else None
 
 
-def register_owner(param: nn.Parameter, state: GroupState) -> None:
-    setattr(param, _OWNER_ATTR, weakref.ref(state))
+def replaced_at(param: nn.Parameter) -> str | None:
+    """The name ``param`` had in its group if ``fully_shard`` replaced it by its shard (nothing uses it since)."""
+    mark = getattr(param, _OWNER_ATTR, None)
+    return mark[1] if mark is not None else None
+
+
+def register_owner(param: nn.Parameter, state: GroupState, replaced_at: str | None = None) -> None:
+    """Mark ``param`` as ``state``'s: a shard, or (``replaced_at``: its name) an original it replaced."""
+    setattr(param, _OWNER_ATTR, (weakref.ref(state), replaced_at))

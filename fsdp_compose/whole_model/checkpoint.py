@@ -197,7 +197,7 @@ def load_checkpoint(
         integrity.verify(where)
     staged, template = _read(where, model, optimizer, {"meta.step": 0, "meta.extra": b""})
     extra = _extra(staged["meta.extra"], str(where), allow_pickled_extra)  # before anything changes
-    _apply(model, optimizer, staged, template)
+    _apply(model, optimizer, map_leaves(template, lambda key, _: staged[key]))
     return staged["meta.step"], extra
 
 
@@ -213,15 +213,20 @@ def _read(where: Path, model: nn.Module, optimizer, meta: dict[str, Any]) -> tup
     if problems:
         raise CheckpointError(format_problems(str(where), problems))
     staged = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+    _dcp_load(staged, where)
+    return staged, template
+
+
+def _dcp_load(staged: dict, where: Path) -> None:
+    """DCP's load into the scratch ``staged``, through the allowlist."""
     try:
         dcp.load(staged, storage_reader=SafeReader(where), planner=SafeLoadPlanner())
     except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
         raise CheckpointError(f"reading checkpoint {str(where)!r} failed; nothing was loaded: {error}") from error
-    return staged, template
 
 
-def _apply(model: nn.Module, optimizer, staged: dict, template: dict) -> None:
-    state = map_leaves(template, lambda key, _: staged[key])
+def _apply(model: nn.Module, optimizer, state: dict) -> None:
+    """Copy what was read (nested as ``_state`` builds it) into the model and optimizer."""
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -257,11 +262,6 @@ def _load_dcp(where: Path, model: nn.Module, optimizer) -> tuple[int, Any]:
     reshard_idle(model, "load_checkpoint")
     # staged copies in DCP's own layout (it keeps a list of names as one value, where ours splits it)
     staged = map_leaves(_state(model, optimizer), lambda _, v: torch.empty_like(v) if torch.is_tensor(v) else v)
-    try:
-        dcp.load(staged, storage_reader=SafeReader(where), planner=SafeLoadPlanner())
-    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
-        raise CheckpointError(f"reading checkpoint {str(where)!r} failed; nothing was loaded: {error}") from error
-    set_model_state_dict(model, staged["model"])
-    if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, staged["optim"])
+    _dcp_load(staged, where)
+    _apply(model, optimizer, staged)
     return 0, None

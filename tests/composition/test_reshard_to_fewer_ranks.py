@@ -1,12 +1,11 @@
 """reshard_after_forward=<int>: after forward keep an N-way slice; backward gathers within N ranks."""
 
 import torch
-from torch.distributed import ProcessGroup
 
-from fsdp_compose.runtime.c10d_direct import GATHER_METHOD
 from fsdp_compose.runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
+from tests.runtime.test_collectives import record_gathers
 
 
 def _parity(ranks):
@@ -16,24 +15,12 @@ def _parity(ranks):
     shard_blocks_then_root(model, reshard_after_forward=ranks)
     group = state_of(model.blocks[0]).group
     full_bytes = sum(p.world_size * p.padded_numel * 4 for p in group.params)
-    sizes = []
-    original = getattr(ProcessGroup, GATHER_METHOD)  # where every all-gather reaches the process group
-    raw = vars(ProcessGroup)[GATHER_METHOD]  # what restoring needs (pybind)
-
-    def record(group, output, input, *args):
-        if output.dtype != torch.int64:  # not the order-check handshake
-            sizes.append(group.size())
-        return original(group, output, input, *args)
-
     ids = torch.randint(0, 37, (2, 6))
     loss = lm_loss(model, ids)
     result["kept_after_forward"] = group.unsharded_nbytes() / full_bytes
-    setattr(ProcessGroup, GATHER_METHOD, record)
-    try:
+    with record_gathers() as gathers:
         loss.backward()
-    finally:
-        setattr(ProcessGroup, GATHER_METHOD, raw)
-    result["backward_gather_group_sizes"] = sizes
+    result["backward_gather_group_sizes"] = [size for size, _, _ in gathers]
     result["after_backward"] = group.unsharded_nbytes()
     return result
 

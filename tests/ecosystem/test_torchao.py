@@ -86,23 +86,11 @@ def shard_blocks_then_root(model: TinyLM, fully_shard: Callable, **kwargs) -> No
 def gathered_bytes(impl: str, model: nn.Module) -> Iterator[Callable[[], int]]:
     """A function giving the bytes all-gathered so far, every rank's part (the output), for either
     library alike: counted where the collective reaches the process group (``dist.all_gather_single``
-    calls the same method), not from our own counters. The order check's int64 rounds are left out."""
-    from torch.distributed import ProcessGroup
+    calls the same method), not from our own counters."""
+    from tests.runtime.test_collectives import record_gathers
 
-    from fsdp_compose.runtime.c10d_direct import GATHER_METHOD
-
-    total, raw = [0], vars(ProcessGroup)[GATHER_METHOD]
-
-    def counted(group, output: torch.Tensor, input: torch.Tensor, *args):
-        if output.dtype != torch.int64:
-            total[0] += output.numel() * output.element_size()
-        return raw(group, output, input, *args)
-
-    setattr(ProcessGroup, GATHER_METHOD, counted)
-    try:
-        yield lambda: total[0]
-    finally:
-        setattr(ProcessGroup, GATHER_METHOD, raw)
+    with record_gathers() as gathers:
+        yield lambda: sum(nbytes for _, _, nbytes in gathers)
 
 
 @contextlib.contextmanager

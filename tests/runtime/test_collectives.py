@@ -71,6 +71,25 @@ def count_collectives():
             setattr(ProcessGroup, name, fn)
 
 
+
+@contextmanager
+def record_gathers():
+    """Every data all-gather as it reaches the process group, in order, as (group size, output dtype,
+    output bytes): measured at the collective, not from our counters. The order check's int64 rounds
+    are left out."""
+    calls, raw = [], vars(ProcessGroup)[GATHER_METHOD]  # the raw method: what restoring needs (pybind)
+
+    def record(group, output, input, *args):
+        if output.dtype != torch.int64:
+            calls.append((group.size(), output.dtype, output.numel() * output.element_size()))
+        return raw(group, output, input, *args)
+
+    setattr(ProcessGroup, GATHER_METHOD, record)
+    try:
+        yield calls
+    finally:
+        setattr(ProcessGroup, GATHER_METHOD, raw)
+
 def _counts():
     torch.manual_seed(0)
     model = TinyLM()  # 3 blocks + root = 4 groups
