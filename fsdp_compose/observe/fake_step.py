@@ -134,6 +134,16 @@ def measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, h
     }
 
 
+def _fake_mode_of(model: nn.Module):
+    """The ``FakeTensorMode`` the model's parameters were made in, if they are FakeTensors."""
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        mode = getattr(local, "fake_mode", None)
+        if mode is not None:
+            return mode
+    return None
+
+
 def run(spec: dict) -> dict:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -145,7 +155,8 @@ def run(spec: dict) -> dict:
         started = time.perf_counter()
         model, optimizer, loss_fn = unpack(load_build(spec)())
         built = time.perf_counter()
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # a model built under FakeTensorMode (as torchtitan's estimator builds) steps in that mode
+        with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
             model.to_empty(device="cpu")  # meta or real parameters become fake ones; values do not matter
             if not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())

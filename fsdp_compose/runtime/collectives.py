@@ -152,19 +152,29 @@ def all_reduce_sum(tensor: torch.Tensor, group, stats: CommStats) -> None:
 
 _set_grad_enabled = torch._C._set_grad_enabled
 _is_grad_enabled = torch._C.is_grad_enabled
+_is_inference_mode_enabled = torch.is_inference_mode_enabled
 
 
 class grad_off:  # noqa: N801 - used like torch.no_grad
-    """``torch.no_grad()`` at about half its cost (no Python frames); entered a few times per group and step."""
+    """``torch.no_grad()`` at about half its cost (no Python frames); entered a few times per group and step.
 
-    __slots__ = ("previous",)
+    It also leaves ``torch.inference_mode``: what a group allocates here (unsharded parameters, gathered
+    buffers) outlives the call, and an inference tensor could never be written again in training."""
+
+    __slots__ = ("previous", "inference")
 
     def __enter__(self) -> None:
         self.previous = _is_grad_enabled()
+        self.inference = None
+        if _is_inference_mode_enabled():
+            self.inference = torch.inference_mode(False)
+            self.inference.__enter__()
         _set_grad_enabled(False)
 
     def __exit__(self, *exc: object) -> None:
         _set_grad_enabled(self.previous)
+        if self.inference is not None:
+            self.inference.__exit__(*exc)
 
 
 _NULL = contextlib.nullcontext()

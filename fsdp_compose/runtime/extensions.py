@@ -33,9 +33,24 @@ def has_protocol(tensor: torch.Tensor, where: str) -> bool:
     return pre
 
 
+def _mode_tensor_types() -> tuple[type, ...]:
+    """Tensors a dispatch mode makes of plain ones (``FakeTensorMode``'s, functionalization's): they stand
+    for plain tensors, so they are sharded and gathered as plain ones. Private names: found once, else none."""
+    found = []
+    for module, name in (("fake_tensor", "FakeTensor"), ("functional_tensor", "FunctionalTensor")):
+        try:
+            found.append(getattr(__import__(f"torch._subclasses.{module}", fromlist=[name]), name))
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
+
+
+MODE_TENSORS = _mode_tensor_types()
+
+
 def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
     """A tensor subclass that intercepts operators (``__torch_dispatch__``): its bytes are not its values."""
-    return torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python)
+    return torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python) and not isinstance(tensor, MODE_TENSORS)
 
 
 def _storage_id(tensor: torch.Tensor) -> int:
@@ -205,22 +220,26 @@ def _listing(shapes, dtypes) -> str:
     return ", ".join(f"{tuple(s)} {str(d).removeprefix('torch.')}" for s, d in zip(shapes, dtypes))
 
 
-def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int, wire: bool = False) -> None:
-    """Refuse a tensor subclass without the protocol (its bytes are not its values), or the protocol (or a
-    quantized wire format) where its layout is undefined (tensor parallel, ``Shard(d)`` with ``d > 0``)."""
-    where = f"parameter '{fqn}'"
-    protocol = has_protocol(source, where)
-    if not protocol and is_wrapper_subclass(source) and not isinstance(source, DTensor):
+def refuse_without_protocol(local: torch.Tensor, fqn: str) -> None:
+    """A tensor subclass whose shard reaches an all-gather without the protocol: its bytes are not its
+    values. Checked there, not at ``fully_shard``: torch lets the protocol be attached in between."""
+    if is_wrapper_subclass(local) and not isinstance(local, DTensor):
         raise ValueError(
-            f"{where} is a tensor subclass ({type(source).__name__}) without fsdp_pre_all_gather and "
+            f"parameter '{fqn}' is a tensor subclass ({type(local).__name__}) without fsdp_pre_all_gather and "
             "fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. "
             "Implement the all-gather extension protocol on it, or pass it in ignored_params"
         )
+
+
+def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_dim: int, wire: bool = False) -> None:
+    """Refuse the protocol (or a quantized wire format) where its layout is undefined (tensor parallel,
+    ``Shard(d)`` with ``d > 0``)."""
+    protocol = has_protocol(source, f"parameter '{fqn}'")
     if (protocol or wire) and (tensor_parallel or shard_dim):
         layout = "tensor parallel" if tensor_parallel else f"Shard({shard_dim})"
         what = "implements the all-gather extension protocol" if protocol else "has a quantized all-gather"
         raise NotImplementedError(
-            f"{where} {what}, which fully_shard supports on dim-0 shards of a data-parallel mesh only, "
+            f"parameter '{fqn}' {what}, which fully_shard supports on dim-0 shards of a data-parallel mesh only, "
             f"not with {layout}"
         )
 

@@ -15,7 +15,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.placement_types import Placement
 
-from .extensions import GatherExtension, check_subclass, has_protocol, is_wrapper_subclass, shard_subclass
+from .extensions import (
+    GatherExtension,
+    check_subclass,
+    has_protocol,
+    is_wrapper_subclass,
+    refuse_without_protocol,
+    shard_subclass,
+)
 from .param_layout import ParamLayout, ParamPlace, alias, contiguous_strides, spmd_layout
 from .quantized_gather import BlockQuantized, wire_format_of
 
@@ -217,6 +224,7 @@ class ShardedParam:
             self.unsharded_param, self._gather_target = None, None
             self.extension = None
         if not protocol:
+            refuse_without_protocol(local, self.fqn)
             self._plain_source = local
             return None
         mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]

@@ -47,20 +47,22 @@ def follow_module(state: GroupState) -> None:
 
 
 def _registered(state: GroupState, p: ShardedParam) -> torch.Tensor:
-    """The one tensor every place of ``p`` registers now (tied weights: the same in all)."""
+    """The one tensor every place of ``p`` registers now. Tied weights each given a new tensor
+    (``load_state_dict(assign=True)`` assigns a state dict's keys one by one) stay tied: the first
+    place's tensor is registered in all, as in torch's FSDP2."""
     held = [place.module._parameters.get(place.name) for place in p.places]
     first = held[0]
-    if first is None:
+    if any(h is None for h in held):
         raise ValueError(
             f"parameter '{p.fqn}' of fully_shard({class_name(state.module)}) was removed or set to None "
             "after fully_shard; keep it, or pass it in ignored_params"
         )
-    if any(h is not first for h in held[1:]):
+    if any(h is not first for h in held[1:]) and any(h is p.sharded_param for h in held):
         paths = {id(m): f"{name}." if name else "" for name, m in state.module.named_modules(remove_duplicate=False)}
         names = ", ".join(f"'{paths.get(id(place.module), '?.')}{place.name}'" for place in p.places)
         raise ValueError(
             f"parameter '{p.fqn}' of fully_shard({class_name(state.module)}) is shared by {names}, and only "
-            "some of them were given a new parameter after fully_shard; assign the same parameter to all of them"
+            "some of them were given a new parameter after fully_shard; assign a new parameter to all of them"
         )
     return first
 

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from fsdp_compose import MixedPrecisionPolicy, fully_shard
@@ -48,9 +50,14 @@ class LM(nn.Module):
         return self.head(self.norm(x))
 
 
-def _job(checkpointed: bool = False, **shard_kwargs):
+def _job(checkpointed: bool = False, fake_built: bool = False, **shard_kwargs):
     torch.manual_seed(0)
-    model = LM(checkpointed)
+    if fake_built:  # as torchtitan's memory estimator builds: the mesh outside, the model in a FakeTensorMode
+        shard_kwargs["mesh"] = init_device_mesh("cpu", (dist.get_world_size(),))
+        with FakeTensorMode():
+            model = LM(checkpointed)
+    else:
+        model = LM(checkpointed)
     for block in model.blocks:
         fully_shard(block, **shard_kwargs)
     fully_shard(model, **shard_kwargs)
@@ -74,6 +81,11 @@ def bf16_mixed():
 
 def checkpointed_no_reshard():
     return _job(checkpointed=True, reshard_after_forward=False)
+
+
+def fake_built():
+    """``fp32``'s job with FakeTensor parameters: only estimate can run it."""
+    return _job(fake_built=True)
 
 
 JOBS = {"fp32": fp32, "bf16_mixed": bf16_mixed, "checkpointed_no_reshard": checkpointed_no_reshard}

@@ -17,7 +17,7 @@ from fsdp_compose.observe.estimate import CATEGORIES, estimate_many
 from fsdp_compose.observe.fake_step import traffic
 from fsdp_compose.observe.storage import StorageTracker
 from tests.harness import run_on_ranks
-from tests.observe.estimate_jobs import JOBS, LM, fp32
+from tests.observe.estimate_jobs import JOBS, LM, fake_built, fp32
 
 CASES = [(name, world) for name in JOBS for world in (2, 3)]
 
@@ -44,7 +44,7 @@ def estimates():
     """Every (configuration, world size, rank 0 and last) estimated in one subprocess, started at once
     and collected when a test needs it, so it runs while the real gloo steps run."""
     jobs = [(JOBS[name], world, rank) for name, world in CASES for rank in (0, world - 1)]
-    jobs.append((fp32, 2, 0, "nccl"))
+    jobs += [(fp32, 2, 0, "nccl"), (fake_built, 2, 0)]
     with ThreadPoolExecutor(1) as pool:
         future = pool.submit(estimate_many, jobs, like="gloo", timeout=120)
 
@@ -64,6 +64,13 @@ def test_estimated_peak_and_traffic_match_a_real_run(estimates, name, world):
         assert abs(error) <= 0.05, (name, world, rank, f"{error:+.2%}", e.peak_bytes, real["peak"])
         assert sum(e.at_peak.values()) == e.peak_bytes
         assert set(e.at_peak) <= {key for key, _ in CATEGORIES}
+
+
+def test_a_model_built_under_fake_tensor_mode_estimates_like_a_real_one(estimates):
+    """Built in a ``FakeTensorMode`` and sharded outside it, as torchtitan's estimator does: its
+    parameters are FakeTensors, and the estimate is the real model's to the byte."""
+    fake, real = estimates()[(2, 0, "fake_built", "gloo")], estimates()[(2, 0, "fp32", "gloo")]
+    assert (fake.peak_bytes, fake.at_peak, fake.collectives) == (real.peak_bytes, real.at_peak, real.collectives)
 
 
 def test_categories_are_the_tensors_they_name(estimates):

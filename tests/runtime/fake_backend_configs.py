@@ -93,8 +93,9 @@ def _attach_bf16_gather(model: nn.Module, calls: dict) -> None:
             local.fsdp_post_all_gather = post.__get__(local)
 
 
-def build(config: str, world: int) -> tuple[nn.Module, dict]:
-    """The model of ``config``, built on meta and sharded outside any fake mode."""
+def build(config: str, world: int, mode: FakeTensorMode | None = None) -> tuple[nn.Module, dict]:
+    """The model of ``config``, built on meta (``fake_built``: under ``mode``, as torchtitan's memory
+    estimator builds, so its parameters are FakeTensors) and sharded outside any fake mode."""
     kwargs: dict = {}
     mesh = None
     tp = None
@@ -118,7 +119,7 @@ def build(config: str, world: int) -> tuple[nn.Module, dict]:
     elif config == "dp_mesh_dims":  # parameters replicated DTensors on a full SPMD mesh
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp_replicate", "dp_shard"))
         kwargs["dp_mesh_dims"] = DataParallelMeshDims(shard="dp_shard", replicate="dp_replicate")
-    with torch.device("meta"):
+    with mode if config == "fake_built" else torch.device("meta"):
         model = LM(tied=config == "tied", side=config == "unused", checkpointed=config == "checkpointed")
     if config == "quantized":
         quantize_all_gather(model, block_size=32, min_numel=0)
@@ -159,10 +160,12 @@ def _replicate_on(model: nn.Module, mesh) -> None:
 
 def train(config: str, world: int) -> dict:
     """Two AdamW steps under a fresh fake mode; what each step left, for the test to check."""
-    model, _ = build(config, world)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)  # the meta tensors to_empty replaces are real
+    model, _ = build(config, world, mode)
     calls = {"pre": 0}
-    with FakeTensorMode(allow_non_fake_inputs=True):  # the meta tensors to_empty replaces are real
-        model.to_empty(device="cpu")
+    with mode:
+        if config != "fake_built":
+            model.to_empty(device="cpu")
         if config == "protocol":
             _attach_bf16_gather(model, calls)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

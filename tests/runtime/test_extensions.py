@@ -172,6 +172,39 @@ def test_two_tensor_reshard_to_2_of_4_ranks():
     assert run_on_ranks(2, _two_tensor_parity, 1, True) == [4 * 3 * 2 * 2] * 2
 
 
+def _protocol_attached_after_fully_shard(hsdp: bool) -> int:
+    """The protocol attached to the shard's class after ``fully_shard``, as torch allows: sharded as a
+    plain subclass, gathered through the protocol from the first forward on."""
+    for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
+        if name in TwoTensor.__dict__:
+            delattr(TwoTensor, name)
+    mesh = None
+    if hsdp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    model = _two_tensor_model()
+    ref = copy.deepcopy(model)
+    for mlp in model:
+        fully_shard(mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    calls = {"pre": 0}
+
+    def counting_pre(self, mesh, outer_size, outer_stride, module, mp_policy):
+        calls["pre"] += 1
+        return _pre_v2(self, mesh, outer_size, outer_stride, module, mp_policy)
+
+    TwoTensor.fsdp_pre_all_gather, TwoTensor.fsdp_post_all_gather = counting_pre, _post
+    _train(model, ref, 3, _batch)
+    return calls["pre"]
+
+
+@pytest.mark.parametrize("world, hsdp", [(2, False), (4, True)])
+def test_protocol_attached_after_fully_shard(world, hsdp):
+    # 3 steps x 3 blocks x 2 weights, gathered in forward and again in backward
+    assert run_on_ranks(world, _protocol_attached_after_fully_shard, hsdp) == [3 * 3 * 2 * 2] * world
+
+
 # ----- a subclass that pads its own inputs (five-argument form), uneven at 3 ranks ---------------
 class PaddedBF16Gather(torch.Tensor):
     """Sends bf16, padding its inputs to the padded shard size itself when the rows don't divide."""
@@ -444,8 +477,9 @@ def test_errors_name_the_parameter(single_rank_group):
     for name in ("fsdp_pre_all_gather", "fsdp_post_all_gather"):
         if name in TwoTensor.__dict__:
             delattr(TwoTensor, name)
+    fully_shard(lin)  # the protocol may still be attached; the first all-gather needs it
     with pytest.raises(ValueError) as info:
-        fully_shard(lin)
+        lin(torch.ones(1, 4))
     assert_expected_inline(
         str(info.value),
         """parameter 'weight' is a tensor subclass (TwoTensor) without fsdp_pre_all_gather and fsdp_post_all_gather; fully_shard gathers parameters as bytes, which would not be its values. Implement the all-gather extension protocol on it, or pass it in ignored_params""",

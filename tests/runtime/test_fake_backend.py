@@ -29,7 +29,7 @@ from tests.runtime.test_threaded_ranks import _ThreadedRanks
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALL = (
     "fp32,bf16,no_reshard,reshard_to_4,hsdp,hsdp_reshard_to_2,shard_dim_1,no_sync,offload,checkpointed,"
-    "tp_2d,dp_mesh_dims,tied,unused,protocol,quantized,side_by_side"
+    "tp_2d,dp_mesh_dims,tied,unused,protocol,quantized,side_by_side,fake_built"
 )
 
 

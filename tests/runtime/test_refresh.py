@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from fsdp_compose import fully_shard
 from tests.harness import run_on_ranks
@@ -226,6 +226,39 @@ def test_load_state_dict_assign_after_training_is_followed():
         assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
 
 
+def _tied_lm() -> TinyLM:
+    model = TinyLM(n_blocks=2)
+    model.head.weight = model.embed.weight  # (37, 13) both: the output projection tied to the embedding
+    return model
+
+
+def _rank0_broadcast_meta_init() -> dict:
+    """torch's ``test_fully_shard_rank0_broadcast_meta_device_init`` flow with tied weights: the model
+    sharded on meta, rank 0's full state dict broadcast and sharded, then ``load_state_dict(assign=True)``
+    with equal but separate tensors for ``embed.weight`` and ``head.weight``."""
+    torch.manual_seed(0)
+    reference = _tied_lm()
+    with torch.device("meta"):
+        model = _tied_lm()
+    shard_blocks_then_root(model)
+    full = [reference.state_dict() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(full, src=0)
+    sharded = {}
+    for name, meta in model.state_dict().items():
+        value = full[0][name].clone()  # a separate tensor for each key, tied or not
+        sharded[name] = nn.Parameter(distribute_tensor(value, meta.device_mesh, meta.placements))
+    model.load_state_dict(sharded, assign=True)
+    tied = model.embed.weight is model.head.weight
+    return {"tied": tied, **_train_both(model, reference, 3, lm_loss)}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_load_state_dict_assign_keeps_tied_weights_tied(world_size):
+    for r in run_on_ranks(world_size, _rank0_broadcast_meta_init):
+        assert r["tied"], r
+        assert max(r["loss"], r["grad"], r["param"]) <= 1e-5, r
+
+
 # ----- bad replacements name the parameter ------------------------------------------------
 @pytest.fixture()
 def group(single_rank_group):
@@ -264,5 +297,5 @@ def test_tied_parameter_replaced_in_one_place(group):
     model[1].weight = nn.Parameter(torch.ones(4, 4))
     assert_expected_inline(
         message(lambda: model(torch.ones(1, 4))),
-        """ValueError: parameter '0.weight' of fully_shard(Sequential) is shared by '0.weight', '1.weight', and only some of them were given a new parameter after fully_shard; assign the same parameter to all of them""",
+        """ValueError: parameter '0.weight' of fully_shard(Sequential) is shared by '0.weight', '1.weight', and only some of them were given a new parameter after fully_shard; assign a new parameter to all of them""",
     )
