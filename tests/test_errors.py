@@ -98,16 +98,25 @@ def test_reshard_after_forward_must_divide_the_group():
     )
 
 
-def test_tensor_parallel_parameter_on_an_unrelated_mesh():
+def _overlapping_meshes_message() -> str:
     from torch.distributed.tensor import Shard, distribute_tensor
 
-    data_parallel = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
-    other = init_device_mesh("cpu", (1, 1), mesh_dim_names=("pp", "tp2"))
+    data_parallel = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    other = init_device_mesh("cpu", (1, 2), mesh_dim_names=("pp", "tp"))  # the same two ranks again
     layer = nn.Linear(4, 4)
-    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), other["tp2"], [Shard(0)]))
+    layer.weight = nn.Parameter(distribute_tensor(layer.weight.detach(), other["tp"], [Shard(0)]))
+    return message(lambda: fully_shard(layer, mesh=data_parallel))
+
+
+def test_tensor_parallel_parameter_on_an_overlapping_mesh():
+    """TP over the ranks data parallelism already spans: no mesh holds both (torch refuses it too)."""
+    from tests.harness import run_on_ranks
+
+    first, second = run_on_ranks(2, _overlapping_meshes_message)
+    assert first == second  # every rank
     assert_expected_inline(
-        message(lambda: fully_shard(layer, mesh=data_parallel["dp"])),
-        """ValueError: parameter 'weight' is a DTensor on a cpu mesh of shape (1,) with dims ('tp2',); fully_shard can shard it further only when it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])""",
+        first,
+        """ValueError: parameter 'weight' is a DTensor on a cpu mesh of shape (2,) with dims ('tp',); fully_shard can shard it further only when that mesh and the data-parallel mesh ('dp',) are disjoint dims of one mesh, e.g. mesh = init_device_mesh(..., mesh_dim_names=('dp_replicate', 'dp_shard', 'tp')); fully_shard(m, mesh=mesh['dp_replicate', 'dp_shard'])""",
     )
 
 

@@ -64,28 +64,31 @@ def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
 def spmd_layout(
     dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str, dim: int = 0
 ) -> tuple[DeviceMesh, list[Placement]]:
-    """The mesh and placements of a shard: data-parallel alone, or data x tensor parallel on the mesh
-    both come from (``_StridedShard`` where TP shards ``dim`` first, on a later mesh dim)."""
+    """The mesh and placements of a shard: data-parallel alone, or the data-parallel dims (replicate?,
+    shard) followed by the parameter's own (TP/EP) dims, on one mesh cut from their common root, as
+    torch's FSDP2 lays it out (``_StridedShard`` where the model-parallel dims already split ``dim``)."""
     if tp_param is None:
         return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(dim)]
-    tp_mesh, (tp_placement,) = tp_param.device_mesh, tp_param.placements
-    root = dp_mesh._get_root_mesh()
-    if dp_mesh.ndim != 1 or tp_mesh.ndim != 1 or tp_mesh._get_root_mesh() != root or root.ndim != 2:
+    tp_mesh, tp_placements = tp_param.device_mesh, list(tp_param.placements)
+    dp_names, tp_names = dp_mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()
+    spmd = None
+    if not set(dp_names) & set(tp_names):
+        try:  # torch's FSDP2 joins them so too (2.11 to 2.14); it refuses meshes that overlap
+            spmd = DeviceMesh._concatenate([dp_mesh, tp_mesh])
+        except (RuntimeError, AssertionError):
+            spmd = None
+    if spmd is None:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on a {tp_mesh.device_type} mesh of shape {tuple(tp_mesh.shape)} with "
-            f"dims {tp_mesh.mesh_dim_names}; fully_shard can shard it further only when "
-            "it lives on the other dim of the same 2-D mesh as the data-parallel mesh, e.g. "
-            "mesh = init_device_mesh(..., mesh_dim_names=('dp', 'tp')); fully_shard(m, mesh=mesh['dp'])"
+            f"dims {tp_names}; fully_shard can shard it further only when that mesh and the data-parallel mesh "
+            f"{dp_names} are disjoint dims of one mesh, e.g. mesh = init_device_mesh(..., "
+            "mesh_dim_names=('dp_replicate', 'dp_shard', 'tp')); fully_shard(m, mesh=mesh['dp_replicate', 'dp_shard'])"
         )
-    if tp_placement.is_partial():
+    if any(p.is_partial() for p in tp_placements):
         raise ValueError(f"parameter '{fqn}' is a Partial DTensor; shard or replicate it before fully_shard")
-    dp_dim = root.mesh_dim_names.index(dp_mesh.mesh_dim_names[0])
-    tp_dim = root.mesh_dim_names.index(tp_mesh.mesh_dim_names[0])
-    placements: list[Placement] = [Replicate(), Replicate()]
-    placements[tp_dim] = tp_placement
-    strided = tp_placement.is_shard(dim) and tp_dim > dp_dim
-    placements[dp_dim] = _StridedShard(dim, split_factor=tp_mesh.size()) if strided else Shard(dim)
-    return root, placements
+    split = tp_param._spec.num_shards_map[dim]  # ways the model-parallel dims already split ``dim``
+    dp_placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    return spmd, [Replicate()] * (dp_mesh.ndim - 1) + [dp_placement, *tp_placements]
 
 
 def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor:

@@ -3,6 +3,7 @@
 import copy
 import warnings
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -74,3 +75,65 @@ def test_tp_plus_fsdp_gradient_check_sees_a_wrong_scale():
     for scale in (2.0, 0.5):
         for *_, grad_diff in run_on_ranks(4, _tp_fsdp, scale):
             assert grad_diff > 1e-3, (scale, grad_diff)
+
+
+# ----- HSDP + TP on a 3-D mesh (dp_replicate, dp_shard, tp), as torchtitan builds it -----------------
+def _hsdp_tp_3d(shape: tuple[int, int], tmp: str) -> dict:
+    """TP on ``mesh["tp"]``, then ``fully_shard`` on ``mesh["dp_replicate", "dp_shard"]``: trains at
+    parity, saves a checkpoint, and loads it into plain FSDP over every rank (a reshard)."""
+    from fsdp_compose import full_state_dict, load_checkpoint, save_checkpoint
+
+    warnings.simplefilter("ignore")
+    replicate, shard = shape
+    mesh = init_device_mesh("cpu", (replicate, shard, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    dp, tp = mesh["dp_replicate", "dp_shard"], mesh["tp"]
+    torch.manual_seed(0)
+    reference = TPLM()
+    model = copy.deepcopy(reference)
+    for block in model.blocks:
+        parallelize_module(block, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    fc1, fc2 = model.blocks[0].fc1.weight, model.blocks[0].fc2.weight
+    layout = {
+        "fc1": [str(p) for p in fc1.placements],
+        "fc2": [str(p) for p in fc2.placements],
+        "mesh_dims": fc1.device_mesh.mesh_dim_names,
+    }
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    dp_rank = dp.get_local_rank(0) * shard + dp.get_local_rank(1)  # this rank's slice of the batch
+    grad_diffs = []
+    losses = train_data_parallel_steps(
+        model, reference, (opt, ref_opt), 3, dp_rank, replicate * shard,
+        lambda: grad_diffs.append(max_grad_diff(model, reference)),
+    )
+    save_checkpoint(tmp, model, opt, step=3)
+    torch.manual_seed(1)
+    plain = TPLM()  # other weights, sharded over all 4 ranks without TP
+    for block in plain.blocks:
+        fully_shard(block)
+    fully_shard(plain)
+    load_checkpoint(tmp, plain)
+    reloaded = full_state_dict(plain, rank0_only=False)
+    return {
+        "layout": layout,
+        "losses": losses,
+        "param_diff": max_param_diff(model, reference),
+        "grad_diff": max(grad_diffs),
+        "reload_diff": max((reloaded[k] - v).abs().max().item() for k, v in reference.state_dict().items()),
+    }
+
+
+@pytest.mark.parametrize("shape", [(2, 1), (1, 2)])
+def test_hsdp_plus_tp_on_a_3d_mesh(shape, tmp_path):
+    results = run_on_ranks(4, _hsdp_tp_3d, shape, str(tmp_path / "ckpt"))
+    for r in results:  # every rank
+        assert r["layout"] == {
+            "fc1": ["R", "_S(0, 2)", "S(0)"],  # as torch's FSDP2 lays it out
+            "fc2": ["R", "S(0)", "S(1)"],
+            "mesh_dims": ("dp_replicate", "dp_shard", "tp"),
+        }, r["layout"]
+        assert all(abs(a - b) <= 1e-5 for a, b in r["losses"]), r["losses"]
+        assert max(r["param_diff"], r["grad_diff"], r["reload_diff"]) <= 1e-5, r
+
