@@ -14,6 +14,7 @@ from .comm import default_comms
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .optimizer_check import install_optimizer_check, mark_ignored
+from .pipelining import install as install_pipelining
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
 from .runtime.comm_options import CommOptions
 from .runtime.group import ParamGroup, PostForward
@@ -286,6 +287,7 @@ def fully_shard(
         mp_policy=mp_policy,
     )
     install_optimizer_check()
+    install_pipelining()  # a no-op unless the program imported torch.distributed.pipelining
     for index, (original, sp) in enumerate(zip(places, sharded)):
         sp.on_grad_accumulated = lambda _param, state=state, index=index: on_grad_accumulated(state, index)
         sp.use(unsharded=False)

@@ -77,10 +77,21 @@ def _bound_reductions(state: GroupState) -> None:
         reducing.pop(0).group.wait_reduces()
 
 
-def end_of_backward(root: RootState) -> None:
-    """Finish the groups backward left open, wait for reductions, reset for the next step."""
+def holds_gradients(state: GroupState) -> bool:
+    """Unsharded gradients no reduction took yet: no-sync backwards left them (or a pipeline schedule
+    assigned ``.grad`` itself, past the post-accumulate hooks)."""
+    return any(
+        p.accumulated_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+        for p in state.group.trainable
+    )
+
+
+def end_of_backward(root: RootState, held: bool = False) -> None:
+    """Finish the groups backward left open, wait for reductions, reset for the next step. ``held``: also
+    the groups that only hold gradients of earlier backwards (a pipeline schedule's step end, which
+    turns gradient sync back on after its micro-batches' backwards)."""
     for state in root.states:
-        participated = state.phase != IDLE or state.grads_ready
+        participated = state.phase != IDLE or state.grads_ready or (held and holds_gradients(state))
         if participated and state.phase != POST_BACKWARD:
             post_backward(state)
         elif state.group.is_unsharded and state.reshard_after_backward:

@@ -1,0 +1,99 @@
+"""torch.distributed.pipelining's schedules on sharded stages: pp 2 x dp 2 on 4 gloo ranks.
+
+Each stage is two blocks and a projection, ``fully_shard`` on each block and on the stage (3 groups a
+stage), as torchtitan builds it. Every schedule must reduce each group's gradients once per step (not
+once per micro-batch) and train at parity with the unsharded model on the global batch, with our
+import or with torch's names pointing at ours (``use_as_torch_fsdp``).
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from tests.harness import run_on_ranks
+from tests.models import max_abs_diff
+from tests.runtime.test_collectives import count_collectives
+
+DIM, MICRO, ROWS, STEPS = 6, 4, 3, 3  # ROWS per micro-batch: each dp rank's batch is MICRO * ROWS
+
+
+class Stage(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(DIM, DIM) for _ in range(2))
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.proj(x)
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return ((out - target) ** 2).mean()
+
+
+def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 * step + dp_rank)
+    return torch.randn(MICRO * ROWS, DIM, generator=gen), torch.randn(MICRO * ROWS, DIM, generator=gen)
+
+
+def _train(schedule: str, compat: bool) -> dict:
+    if compat:
+        from fsdp_compose_compat import use_as_torch_fsdp
+
+        handle = use_as_torch_fsdp()
+        from torch.distributed.fsdp import fully_shard  # ours now
+    else:
+        from fsdp_compose import fully_shard
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.pipelining import PipelineStage, schedules
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
+    looped = schedule in ("Interleaved1F1B", "LoopedBFS")
+    n_stages = 4 if looped else 2
+    mine = [pp_rank, pp_rank + 2] if looped else [pp_rank]
+    torch.manual_seed(0)
+    reference = nn.Sequential(*[Stage() for _ in range(n_stages)])
+    modules = {i: Stage() for i in mine}
+    for i, module in modules.items():
+        module.load_state_dict(reference[i].state_dict())
+        for block in module.blocks:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(module, mesh=mesh["dp"])
+    stages = [PipelineStage(modules[i], i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()) for i in mine]
+    run = getattr(schedules, f"Schedule{schedule}")(stages if looped else stages[0], n_microbatches=MICRO, loss_fn=_mse)
+    opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    reduce_scatters, grad_diff = [], 0.0
+    for step in range(STEPS):
+        x, y = _batch(step, dp_rank)
+        with count_collectives() as counts:
+            run.step(*((x,) if pp_rank == 0 or looped else ()), target=y if any(s.is_last for s in stages) else None)
+        reduce_scatters.append(counts["reduce_scatter_single"])
+        both = [_batch(step, r) for r in range(2)]  # the global batch: both dp ranks' rows
+        _mse(reference(torch.cat([b[0] for b in both])), torch.cat([b[1] for b in both])).backward()
+        for i, module in modules.items():
+            for p, r in zip(module.parameters(), reference[i].parameters()):
+                grad_diff = max(grad_diff, max_abs_diff(p.grad.full_tensor(), r.grad))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    param_diff = max(
+        max_abs_diff(p.full_tensor(), r) for i, m in modules.items() for p, r in zip(m.parameters(), reference[i].parameters())
+    )
+    if compat:
+        handle.undo()
+    return {"groups": 3 * len(mine), "reduce_scatters": reduce_scatters, "grad_diff": grad_diff, "param_diff": param_diff}
+
+
+@pytest.mark.parametrize(
+    "schedule, compat",
+    [("GPipe", False), ("1F1B", False), ("Interleaved1F1B", False), ("LoopedBFS", False), ("1F1B", True)],
+)
+def test_pipeline_schedule_reduces_once_per_step(schedule, compat):
+    for r in run_on_ranks(4, _train, schedule, compat):  # every rank
+        # the first step also runs the schedule's shape inference; from the second on, one per group
+        assert r["reduce_scatters"][1:] == [r["groups"]] * (STEPS - 1), r
+        assert max(r["grad_diff"], r["param_diff"]) <= 1e-5, r
