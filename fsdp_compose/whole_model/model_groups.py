@@ -18,7 +18,7 @@ def group_states(module: nn.Module) -> list[GroupState]:
 def check_idle(state: GroupState, action: str) -> None:
     """Refuse whole-model operations in the middle of backward, where shards are in flux."""
     if state.root is not None and state.root.phase == IN_BACKWARD:
-        raise RuntimeError(f"{action} cannot run during backward (group {state.label})")
+        raise RuntimeError(f"{action} cannot run during backward (group {state.group.label})")
 
 
 def reshard_idle(module: nn.Module, action: str) -> None:
