@@ -59,3 +59,32 @@ def test_pre_forward_touches_no_more_modules():
     assert "fsdp_compose/runtime/hooks/forward.py" in by_block["1"]  # the measurement found the hook
     count = core_targets.pre_forward_module_count(by_block)
     assert count <= PRE_FORWARD_MODULES_CEILING, by_block
+
+
+# issue 35's measures (tools/core_targets.py): code lines, and the files a whole step runs through;
+# the ceilings are today's figures, lowered as the restructuring lands
+API_AND_RUNTIME_CODE_LINES_CEILING = 3180
+PACKAGE_CODE_LINES_CEILING = 5126
+STEP_FILES_CEILING = {"forward": 10, "backward": 11}  # the targets: 7 and 7 (torch's FSDP2: 6 and 5)
+
+
+def test_code_lines_do_not_grow():
+    assert core_targets.total_code_lines(core_targets.api_and_runtime_files()) <= API_AND_RUNTIME_CODE_LINES_CEILING
+    assert core_targets.total_code_lines(core_targets.package_files()) <= PACKAGE_CODE_LINES_CEILING
+
+
+def test_code_lines_skip_docstrings_comments_and_blanks(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text('"""Module\n\ndocstring."""\n\n# a comment\nx = (\n    1,  # trailing\n)\n\n\ndef f():\n    """Doc."""\n    return x\n')
+    assert core_targets.code_lines(sample) == 5  # x = ( / 1, / ) / def f(): / return x
+
+
+def _step_files():
+    return core_targets.step_files()
+
+
+def test_a_step_runs_through_no_more_files():
+    by_phase = run_on_ranks(1, _step_files)[0]
+    assert "fsdp_compose/runtime/hooks/backward.py" in by_phase["backward"]  # the measurement saw backward
+    for phase, ceiling in STEP_FILES_CEILING.items():
+        assert len(by_phase[phase]) <= ceiling, (phase, by_phase[phase])

@@ -8,14 +8,22 @@ pre-forward count runs a 2-block model on a 1-rank gloo group, takes one warm-up
 follows each block's forward pre-hook with ``sys.setprofile`` and counts the distinct files under
 ``fsdp_compose/`` whose Python frames start between the hook's entry and its return.
 ``tests/test_core_targets.py`` keeps these numbers from growing.
+
+Issue 35's measures are printed too: code lines (lines holding code: no docstring, comment or
+blank line), and the files under ``fsdp_compose/`` a whole training step runs functions of, from
+the model's call to the end of ``loss.backward()``, forward and backward apart (a 3-group model on a
+1-rank gloo group, after a warm-up step).
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import io
 import os
 import sys
+import threading
+import tokenize
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +35,10 @@ PACKAGE_TARGET = 5000
 FILE_TARGET = 400
 PRE_FORWARD_MODULES_TARGET = 8
 FUNCTION_IMPORTS_TARGET = 0
+# issue 35: code lines, and the files a whole step's forward and backward run through
+API_AND_RUNTIME_CODE_TARGET = 2650
+CORE_CODE_TARGET = 3300
+STEP_FILES_TARGET = 7
 
 
 def line_count(path: Path) -> int:
@@ -44,6 +56,28 @@ def api_and_runtime_files(package: Path = PACKAGE) -> list[Path]:
 
 def total_lines(files: list[Path]) -> int:
     return sum(line_count(f) for f in files)
+
+
+def code_lines(path: Path) -> int:
+    """Lines of ``path`` that hold code: no blank line, comment or docstring (issue 35's measure)."""
+    source = path.read_text()
+    docstrings: set[int] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            value = first.value if isinstance(first, ast.Expr) else None
+            if isinstance(value, ast.Constant) and isinstance(value.value, str):
+                docstrings.update(range(first.lineno, first.end_lineno + 1))
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER}
+    lines: set[int] = set()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type not in skip:
+            lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def total_code_lines(files: list[Path]) -> int:
+    return sum(code_lines(f) for f in files)
 
 
 def files_over(limit: int, package: Path = PACKAGE) -> dict[str, int]:
@@ -150,6 +184,46 @@ def pre_forward_modules() -> dict[str, list[str]]:
     return {name: sorted(str(Path(f).relative_to(PACKAGE.parent)) for f in files) for name, files in touched.items()}
 
 
+def step_files() -> dict[str, list[str]]:
+    """Files under ``fsdp_compose/`` whose functions run in a whole step's forward (from the model's call)
+    and in its backward (``loss.backward()``), after a warm-up step. Needs a default process group."""
+    import torch
+    from torch import nn
+
+    from fsdp_compose import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+        nn.Linear(16, 4),
+    )
+    fully_shard(model[1])
+    fully_shard(model[2])
+    fully_shard(model)
+    package_dir = str(PACKAGE) + os.sep
+    seen: dict[str, set[str]] = {"forward": set(), "backward": set()}
+    phase = ["forward"]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package_dir):
+            seen[phase[0]].add(frame.f_code.co_filename)
+
+    x = torch.randn(4, 8)
+    model(x).sum().backward()  # warm-up: lazy init, recorded order
+    threading.setprofile(profile)  # autograd may run backward on a thread of its own
+    sys.setprofile(profile)
+    try:
+        loss = model(x).sum()
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)
+    return {name: sorted(str(Path(f).relative_to(PACKAGE.parent)) for f in files) for name, files in seen.items()}
+
+
 def pre_forward_module_count(by_block: dict[str, list[str]]) -> int:
     """The most modules any one block's pre-hook touched."""
     return max(len(files) for files in by_block.values())
@@ -166,14 +240,14 @@ class Target:
         return f"{self.name:<40} target <= {self.target:<6} value {self.value:<6} {met}"
 
 
-def measure_pre_forward_in_process() -> dict[str, list[str]]:
-    """``pre_forward_modules`` on a fresh 1-rank gloo group in this process."""
+def measure_in_process() -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """``pre_forward_modules`` and ``step_files`` on a fresh 1-rank gloo group in this process."""
     import torch.distributed as dist
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        return pre_forward_modules()
+        return pre_forward_modules(), step_files()
     finally:
         dist.destroy_process_group()
 
@@ -182,8 +256,13 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     over = files_over(FILE_TARGET)
     imports = function_level_imports()
-    by_block = measure_pre_forward_in_process()
+    by_block, by_phase = measure_in_process()
+    api_runtime_code = total_code_lines(api_and_runtime_files())
     targets = [
+        Target("code lines: API + runtime/ (issue 35)", API_AND_RUNTIME_CODE_TARGET, api_runtime_code),
+        Target("code lines: whole fsdp_compose/ (issue 35)", CORE_CODE_TARGET, total_code_lines(package_files())),
+        Target("files a step's forward runs (issue 35)", STEP_FILES_TARGET, len(by_phase["forward"])),
+        Target("files a step's backward runs (issue 35)", STEP_FILES_TARGET, len(by_phase["backward"])),
         Target("lines: API + runtime/", API_AND_RUNTIME_TARGET, total_lines(api_and_runtime_files())),
         Target("lines: whole fsdp_compose/", PACKAGE_TARGET, total_lines(package_files())),
         Target(f"files over {FILE_TARGET} lines", 0, len(over)),
@@ -197,6 +276,10 @@ def main() -> None:
         print(f"  {n:5d} {name}")
     for block, files in by_block.items():
         print(f"\nblock {block}'s forward pre-hook touches {len(files)} modules:")
+        for f in files:
+            print(f"  {f}")
+    for phase, files in by_phase.items():
+        print(f"\na whole step's {phase} runs functions of {len(files)} files:")
         for f in files:
             print(f"  {f}")
     print("\nfunction-level imports of our modules (each may hide a cycle):")
