@@ -16,7 +16,7 @@ from torch import nn
 
 from .module import FSDPModule
 from .runtime.hooks.backward import end_of_backward
-from .runtime.state import state_of
+from .runtime.state import state_of, states_in
 
 STAGE, SCHEDULES = "torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules"
 _OURS = "_fsdp_compose_step_end"
@@ -32,6 +32,7 @@ def install() -> None:
             known = module.FSDPModule if isinstance(module.FSDPModule, tuple) else (module.FSDPModule,)
             if FSDPModule not in known:
                 module.FSDPModule = (*known, FSDPModule)
+    _guard_weight_passes(sys.modules.get(SCHEDULES))
     base = stage._PipelineStageBase
     original = base.perform_reduce_grad
     if getattr(original, _OURS, False):
@@ -57,3 +58,43 @@ def finish_step(module: nn.Module) -> None:
     root = state_of(module).root
     if root is not None:  # no forward ran yet: nothing is held
         end_of_backward(root, held=True)
+
+
+def _guard_weight_passes(schedules) -> None:
+    """Zero-bubble schedules compute weight gradients in a pass of their own (``W``), after the input
+    gradients, on whatever ``parameters()`` the stage holds then: on a stage resharded after forward,
+    the shards, so the gradients would be dropped (torch's FSDP2 trains wrong there, silently). Refuse
+    it at ``step()``, on every rank before any communication."""
+    multi = getattr(schedules, "PipelineScheduleMulti", None)
+    if multi is None or getattr(multi.step, _OURS, False):
+        return
+    step = multi.step
+
+    def checked_step(self, *args, **kwargs):
+        _refuse_resharded_weight_pass(self)
+        return step(self, *args, **kwargs)
+
+    setattr(checked_step, _OURS, True)
+    multi.step = checked_step
+
+
+def _refuse_resharded_weight_pass(schedule) -> None:
+    order = getattr(schedule, "pipeline_order", None) or {}
+    weight_pass = any(
+        action is not None and getattr(action.computation_type, "name", "") == "BACKWARD_WEIGHT"
+        for actions in order.values()
+        for action in actions
+    )
+    if not weight_pass:
+        return
+    for stage in getattr(schedule, "_stages", []):
+        if not isinstance(stage.submod, FSDPModule):
+            continue
+        for name, state in states_in(stage.submod):
+            if state.reshards_after_forward(is_root=not name):
+                raise ValueError(
+                    f"{type(schedule).__name__} computes weight gradients in a pass of their own, after "
+                    f"'{name or '<root>'}' of stage {stage.stage_index} was resharded: its gradients would be "
+                    "lost. Call fully_shard with reshard_after_forward=False on that stage's modules"
+                )
+

@@ -38,7 +38,7 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(MICRO * ROWS, DIM, generator=gen), torch.randn(MICRO * ROWS, DIM, generator=gen)
 
 
-def _train(schedule: str, compat: bool) -> dict:
+def _train(schedule: str, compat: bool, reshard: bool = True) -> dict:
     if compat:
         from fsdp_compose_compat import use_as_torch_fsdp
 
@@ -51,16 +51,18 @@ def _train(schedule: str, compat: bool) -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-    looped = schedule in ("Interleaved1F1B", "LoopedBFS")
+    looped = schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
     n_stages = 4 if looped else 2
     mine = [pp_rank, pp_rank + 2] if looped else [pp_rank]
+    if schedule == "ZBVZeroBubble":  # V-shaped: the first and the last stage on one rank
+        mine = [pp_rank, n_stages - 1 - pp_rank]
     torch.manual_seed(0)
     reference = nn.Sequential(*[Stage() for _ in range(n_stages)])
     modules = {i: Stage() for i in mine}
     for i, module in modules.items():
         module.load_state_dict(reference[i].state_dict())
         for block in module.blocks:
-            fully_shard(block, mesh=mesh["dp"])
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh["dp"])
     stages = [PipelineStage(modules[i], i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()) for i in mine]
     run = getattr(schedules, f"Schedule{schedule}")(stages if looped else stages[0], n_microbatches=MICRO, loss_fn=_mse)
@@ -69,6 +71,11 @@ def _train(schedule: str, compat: bool) -> dict:
     reduce_scatters, grad_diff = [], 0.0
     for step in range(STEPS):
         x, y = _batch(step, dp_rank)
+        if step == 0 and schedule.endswith("ZeroBubble") and reshard:
+            try:
+                run.step(*((x,) if pp_rank == 0 or looped else ()), target=y if any(s.is_last for s in stages) else None)
+            except ValueError as error:  # on every rank, before any communication
+                return {"error": str(error)}
         with count_collectives() as counts:
             run.step(*((x,) if pp_rank == 0 or looped else ()), target=y if any(s.is_last for s in stages) else None)
         reduce_scatters.append(counts["reduce_scatter_single"])
@@ -97,3 +104,22 @@ def test_pipeline_schedule_reduces_once_per_step(schedule, compat):
         # the first step also runs the schedule's shape inference; from the second on, one per group
         assert r["reduce_scatters"][1:] == [r["groups"]] * (STEPS - 1), r
         assert max(r["grad_diff"], r["param_diff"]) <= 1e-5, r
+
+
+OLD_ZBV = pytest.mark.skipif(
+    tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13),
+    reason="torch 2.11-2.12's ZBV sends between two stages of one rank over gloo, which gloo refuses",
+)
+
+
+@pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", pytest.param("ZBVZeroBubble", marks=OLD_ZBV)])
+def test_zero_bubble_schedules_train_without_resharding_and_refuse_it(schedule):
+    """Their weight-gradient pass runs on what the stage holds after the input-gradient pass: with the
+    blocks resharded, the shards (torch's FSDP2 then drops those gradients silently). Without
+    resharding they train at parity; with it, every rank raises at the first step."""
+    for r in run_on_ranks(4, _train, schedule, False, False):
+        assert r["reduce_scatters"][1:] == [r["groups"]] * (STEPS - 1), r
+        assert max(r["grad_diff"], r["param_diff"]) <= 1e-5, r
+    for r in run_on_ranks(4, _train, schedule, False, True):
+        assert "reshard_after_forward=False" in r["error"], r
+
