@@ -61,6 +61,10 @@ def end_step(root: RootState, failed: bool = False) -> None:
     finishes its in-flight collectives and reshards, and the step's orders and bookkeeping go."""
     order = list(root.forward_order)
     root.phase = STEP_FORWARD
+    for s in root.states:  # a graph created for a backward that never came: let its groups go
+        if s.held_by_graph:
+            s.held_by_graph = False
+            s.group.reshard()
     if failed:
         for s in root.states:
             s.group.discard_step()

@@ -68,6 +68,9 @@ class GroupState:
     phase: StepPhase = IDLE
     inputs_pending: int = 0  # forward uses whose inputs' gradients backward has not reached yet
     grads_ready: set[int] = field(default_factory=set)
+    # gathered while a gradient-only backward created a graph (hooks/backward.py): that graph holds the
+    # unsharded parameters, so they stay until the step's backward ends
+    held_by_graph: bool = False
 
     @property
     def module(self) -> nn.Module:
@@ -112,6 +115,9 @@ class RootState:
     warned_order_change: bool = False
     # every process group's handshake log (handshake.py): closed on gloo before each collective, else at backward end
     ledgers: Ledgers = field(default_factory=Ledgers)
+    # a gradient-only backward with create_graph=True runs (hooks/backward.py); a parameter accumulated in it
+    graph_only: bool = False
+    accumulated_in_graph_only: bool = False
 
 
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed

@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+from torch.autograd.graph import get_gradient_edge
 
 from ..param_grad import stash_grad
 from ..schedule import backward_prefetch_targets, end_backward, unshard_with_prefetch
@@ -23,8 +24,70 @@ def queue_end_of_backward(root: RootState) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(root))
 
 
+# private (torch 2.11 to 2.14 have it): whether the running backward reaches a node; without it, a
+# gradient-only backward with create_graph=True is refused (begin_graph_only)
+_will_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
+
+
+def _accumulates(root: RootState) -> bool:
+    """Whether the running backward accumulates into a trainable parameter (``backward()``; not
+    ``torch.autograd.grad`` nor ``backward(inputs=...)``)."""
+    for state in root.states:
+        for p in state.group.trainable:
+            if p.unsharded_param is None:
+                continue
+            try:
+                if _will_execute_node(get_gradient_edge(p.unsharded_param).node):
+                    return True
+            except RuntimeError:  # an input of torch.autograd.grad: never accumulated into
+                pass
+    return False
+
+
+def begin_graph_only(root: RootState, state: GroupState) -> bool:
+    """A backward with ``create_graph=True`` that accumulates into no parameter (a gradient penalty's
+    ``torch.autograd.grad``) is not the step's backward: it only gathers. The graph it creates holds the
+    unsharded parameters, so the groups it gathered stay gathered until the step's backward ends; its
+    end leaves the step's bookkeeping (phases, inputs, reductions) as it was."""
+    if not torch.is_grad_enabled() or root.phase == IN_BACKWARD:  # create_graph=False, or recomputation
+        return False
+    if _will_execute_node is None:
+        raise RuntimeError(
+            f"a backward with create_graph=True reached {state.group.label}; this torch cannot tell whether it "
+            "is the step's backward, so fsdp_compose supports it from torch 2.11 with "
+            "torch._C._will_engine_execute_node only"
+        )
+    if _accumulates(root):
+        return False
+    previous, root.phase, root.graph_only = root.phase, IN_BACKWARD, True
+    torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_graph_only(root, previous))
+    return True
+
+
+def end_of_graph_only(root: RootState, previous) -> None:
+    root.phase, root.graph_only = previous, False
+    for state in root.states:
+        if state.group.is_unsharded:
+            state.held_by_graph = True
+    if root.accumulated_in_graph_only:  # a nested backward (reentrant checkpoint) accumulated after all
+        root.accumulated_in_graph_only = False
+        end_of_backward(root)
+
+
+def release_held(root: RootState) -> None:
+    """Reshard the groups a created graph held: the backward that used that graph is over."""
+    for state in root.states:
+        if state.held_by_graph:
+            state.held_by_graph = False
+            if state.reshard_after_backward:
+                state.group.reshard()
+
+
 def pre_backward(state: GroupState) -> None:
     root = state.root
+    if root.graph_only or begin_graph_only(root, state):  # only the data, for the graph being created
+        unshard_with_prefetch(state, [t for t in backward_prefetch_targets(root, state) if t.unshard_in_backward])
+        return
     queue_end_of_backward(root)
     if state.phase >= PRE_BACKWARD:
         return
@@ -40,8 +103,13 @@ def pre_backward(state: GroupState) -> None:
 
 def on_grad_accumulated(state: GroupState, index: int) -> None:
     """Post-accumulate-grad hook of the unsharded parameter ``index`` of the group."""
-    if state.root is not None:
-        queue_end_of_backward(state.root)
+    root = state.root
+    if root is not None and root.graph_only:
+        root.accumulated_in_graph_only = True
+        state.grads_ready.add(index)
+        return
+    if root is not None:
+        queue_end_of_backward(root)
     state.grads_ready.add(index)
     maybe_post_backward(state)
 
@@ -59,7 +127,7 @@ def post_backward(state: GroupState) -> None:
     the group has not done so already this step."""
     state.phase = POST_BACKWARD
     group = state.group
-    if state.reshard_after_backward:  # the gradients are separate tensors: free the parameters first
+    if state.reshard_after_backward and not state.held_by_graph:  # the gradients are separate tensors
         group.reshard()
     if group.trainable and state.requires_gradient_sync:
         group.start_reduce(all_reduce=state.requires_all_reduce, then=partial(_bound_reductions, state))
@@ -96,6 +164,7 @@ def end_of_backward(root: RootState, held: bool = False) -> None:
             post_backward(state)
         elif state.group.is_unsharded and state.reshard_after_backward:
             state.group.reshard()
+    release_held(root)
     root.ledgers.flush()
     if root.root_module_state.is_last_backward:
         for state in root.states:

@@ -99,6 +99,8 @@ def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tupl
 
 
 def _inputs_done(state: GroupState) -> None:
+    if state.root.graph_only:  # a gradient-only pass over the forward graph; the step's backward comes
+        return
     state.inputs_pending -= 1
     maybe_post_backward(state)  # hooks/backward.py
 
@@ -174,10 +176,11 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
     if not torch.is_grad_enabled():
         # no backward will follow: free everything, prefetched groups included at the root
         for s in root.states if state.is_root else [state]:
-            s.group.reshard()
+            if not s.held_by_graph:
+                s.group.reshard()
         return output
     record_post_forward(root, state)
-    if state.reshards_after_forward():
+    if state.reshards_after_forward() and not state.held_by_graph:
         state.group.reshard(after_forward=True)
     if type(output) is torch.Tensor:  # the usual output: no generator
         if output.requires_grad:
