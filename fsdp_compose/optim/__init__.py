@@ -1,0 +1,6 @@
+"""Optimizers that update whole matrices of sharded parameters (opt-in; ``fully_shard`` never imports this)."""
+
+from .exchange import assign_owners
+from .matrix import OwnerComputedMuon, UpdateFn, newton_schulz
+
+__all__ = ["OwnerComputedMuon", "UpdateFn", "assign_owners", "newton_schulz"]
