@@ -4,8 +4,9 @@ A schedule runs every micro-batch's backward without gradient sync and reduces a
 (``perform_reduce_grad``), but only for modules it recognizes as torch's ``FSDPModule``, whose
 private state it then reads. ``install`` makes it recognize ours too, through our public setters,
 and gives its step end ours: sync back on, the gradients held since the first micro-batch reduced
-once, the parameters resharded. ``fully_shard`` and the setters the schedule calls run it once the
-program has imported torch's pipelining: fsdp_compose never imports it (it imports torch's FSDP).
+once, the parameters resharded. ``fully_shard`` runs it when the program has imported torch's
+pipelining: fsdp_compose never imports it (it imports torch's FSDP). It also refuses zero-bubble
+schedules on stages that reshard after forward, whose weight gradients would be lost.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .exchange import Matrix, ShardGroup, assign_owners, chunk_rows, gather_to_owners, scatter_from_owners
+from .state import MOMENTUM, momentum_to_shards, shards_to_momentum
 
 UpdateFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 MUON_COEFFICIENTS = (3.4445, -4.775, 2.0315)
@@ -128,6 +130,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         self._check_params()
         self._buckets: list[_Bucket] = []
         self._planned_for: tuple[int, ...] = ()
+        self._has_momentum: set[int] = set()  # ids of sharded matrices whose owner holds momentum (known on all ranks)
 
     def _check_params(self) -> None:
         bad = []
@@ -151,7 +154,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 sg = _shard_group_of(p)
-                bucket = buckets.setdefault(sg.group, _Bucket(sg))
+                bucket = buckets.setdefault(_ranks_of(sg), _Bucket(sg))
                 bucket.params.append(p)
                 bucket.groups.append(group)
         for bucket in buckets.values():
@@ -195,6 +198,67 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             rows = scatter_from_owners(sg, matrices, updates, back)
         for p, group, update in zip(params, groups, rows):
             _apply(p, update, group)
+            # an entry on every rank (empty off the owner): torch's checkpoint helpers take a non-empty
+            # ``optim.state`` as "stepped", and a rank owning nothing must not take it otherwise (it would step alone)
+            self.state.setdefault(p, {})
+            if sg.group is not None and group["momentum"] != 0:
+                self._has_momentum.add(id(p))
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's format; each sharded matrix's momentum as a DTensor laid out like its parameter.
+
+        Collective: one ``all_to_all_single`` per shard group sends the owners' whole buffers out as row shards,
+        so ``torch.distributed.checkpoint`` saves and reshards them. Other state an ``update_fn`` keeps on the
+        owner is passed through as it is (plain, on the owner only).
+        """
+        state_dict = super().state_dict()
+        index = _param_indices(self.param_groups)
+        for bucket in self._plan():
+            if bucket.shard_group.group is None:
+                continue
+            held = [(p, o) for p, o in zip(bucket.params, bucket.owners) if id(p) in self._has_momentum]
+            shards = momentum_to_shards(bucket.shard_group, [p for p, _ in held], [o for _, o in held], self.state)
+            for (p, _), shard in zip(held, shards):
+                entry = dict(state_dict["state"].get(index[id(p)], {}))
+                entry[MOMENTUM] = shard
+                state_dict["state"][index[id(p)]] = entry
+        state_dict["state"] = dict(sorted(state_dict["state"].items()))  # the same order on every rank
+        return state_dict
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()``'s format: each matrix's momentum rows go to its owner as one whole buffer.
+
+        Collective: one ``all_to_all_single`` per shard group. The owners may differ from the saving run's
+        (another world size): they are this run's.
+        """
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups) or any(
+            len(s["params"]) != len(g["params"]) for s, g in zip(saved_groups, self.param_groups)
+        ):
+            raise ValueError("loaded state dict has a different number of parameter groups or parameters")
+        # saved index -> this optimizer's parameter, as torch's load_state_dict maps them
+        by_saved = {i: p for s, g in zip(saved_groups, self.param_groups) for i, p in zip(s["params"], g["params"])}
+        saved_index = {id(p): i for i, p in by_saved.items()}
+        state = {k: dict(v) for k, v in state_dict["state"].items()}
+        loaded: set[int] = set()
+        for bucket in self._plan():
+            if bucket.shard_group.group is None:
+                continue
+            held = [(p, o) for p, o in zip(bucket.params, bucket.owners)
+                    if MOMENTUM in state.get(saved_index[id(p)], {})]
+            params = [p for p, _ in held]
+            shards = [state[saved_index[id(p)]].pop(MOMENTUM) for p in params]
+            owned = shards_to_momentum(bucket.shard_group, params, [o for _, o in held], shards)
+            for i, p in enumerate(params):
+                if i in owned:
+                    state[saved_index[id(p)]][MOMENTUM] = owned[i]
+                loaded.add(id(p))
+        state = {k: v for k, v in state.items() if v}
+        super().load_state_dict({**state_dict, "state": state})
+        self._has_momentum = loaded
+        params = {id(p): p for group in self.param_groups for p in group["params"]}
+        for key in loaded:
+            self.state.setdefault(params[key], {})  # an entry on every rank, as step() leaves them
 
     def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
         """The owner's whole-matrix update: momentum, then Newton-Schulz or ``update_fn``."""
@@ -203,6 +267,21 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         if self.update_fn is not None:
             return self.update_fn(matrix, state)
         return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+
+
+def _param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """Each parameter's index in torch's optimizer state dict (in group order, each parameter once)."""
+    index: dict[int, int] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            index.setdefault(id(p), len(index))
+    return index
+
+
+def _ranks_of(sg: ShardGroup) -> tuple[int, ...] | None:
+    """A shard group's key: its ranks. Meshes of one layout may carry distinct process-group objects over the
+    same ranks (torch caches some): their matrices are still one bucket, one collective each way."""
+    return None if sg.group is None else tuple(dist.get_process_group_ranks(sg.group))
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -87,4 +87,4 @@ def _without_the_private_check() -> str:
 
 def test_without_the_private_check_the_error_names_the_group():
     (message,) = run_on_ranks(1, _without_the_private_check)
-    assert message.startswith("a backward with create_graph=True reached '<root>' (Critic)"), message
+    assert message.startswith("a backward with create_graph=True reached '<root>' (Critic); telling"), message

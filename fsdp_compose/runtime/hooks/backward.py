@@ -53,9 +53,9 @@ def begin_graph_only(root: RootState, state: GroupState) -> bool:
         return False
     if _will_execute_node is None:
         raise RuntimeError(
-            f"a backward with create_graph=True reached {state.group.label}; this torch cannot tell whether it "
-            "is the step's backward, so fsdp_compose supports it from torch 2.11 with "
-            "torch._C._will_engine_execute_node only"
+            f"a backward with create_graph=True reached {state.group.label}; telling a gradient-only backward "
+            "(torch.autograd.grad) from the step's needs torch._C._will_engine_execute_node, which this torch "
+            "lacks (torch 2.11 to 2.14 have it)"
         )
     if _accumulates(root):
         return False
