@@ -128,6 +128,20 @@ def _hook_functions(hook: object) -> list:
         hook = hook.__wrapped__
 
 
+def _three_groups_unsharded():
+    """The measured model: two blocks between two layers (with the root, three groups once sharded)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
+        nn.Linear(16, 4),
+    )
+
+
 def pre_forward_modules() -> dict[str, list[str]]:
     """Files under ``fsdp_compose/`` whose code runs in each block's forward pre-hook, by block name.
 
@@ -136,17 +150,10 @@ def pre_forward_modules() -> dict[str, list[str]]:
     that defines it (which the sharded call's fast path calls directly, without the hook).
     """
     import torch
-    from torch import nn
 
     from fsdp_compose import fully_shard
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 16),
-        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
-        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
-        nn.Linear(16, 4),
-    )
+    model = _three_groups_unsharded()
     blocks = {"1": model[1], "2": model[2]}
     for block in blocks.values():
         fully_shard(block)
@@ -188,17 +195,10 @@ def step_files() -> dict[str, list[str]]:
     """Files under ``fsdp_compose/`` whose functions run in a whole step's forward (from the model's call)
     and in its backward (``loss.backward()``), after a warm-up step. Needs a default process group."""
     import torch
-    from torch import nn
 
     from fsdp_compose import fully_shard
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Linear(8, 16),
-        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
-        nn.Sequential(nn.Linear(16, 16), nn.ReLU()),
-        nn.Linear(16, 4),
-    )
+    model = _three_groups_unsharded()
     fully_shard(model[1])
     fully_shard(model[2])
     fully_shard(model)

@@ -54,6 +54,16 @@ def end_backward(root: RootState) -> None:
     root.post_forward_index = {}
 
 
+def release_held(root: RootState, always: bool = False) -> None:
+    """Reshard the groups a created graph held (hooks/backward.py's ``begin_graph_only``): the backward that
+    used the graph is over (as ``reshard_after_backward`` says), or the step is (``always``)."""
+    for state in root.states:
+        if state.held_by_graph:
+            state.held_by_graph = False
+            if always or state.reshard_after_backward:
+                state.group.reshard()
+
+
 def end_step(root: RootState, failed: bool = False) -> None:
     """Keep the first step's order as the reference; warn once if a later step's differs.
 
@@ -61,10 +71,7 @@ def end_step(root: RootState, failed: bool = False) -> None:
     finishes its in-flight collectives and reshards, and the step's orders and bookkeeping go."""
     order = list(root.forward_order)
     root.phase = STEP_FORWARD
-    for s in root.states:  # a graph created for a backward that never came: let its groups go
-        if s.held_by_graph:
-            s.held_by_graph = False
-            s.group.reshard()
+    release_held(root, always=True)  # a graph created for a backward that never came: let its groups go
     if failed:
         for s in root.states:
             s.group.discard_step()

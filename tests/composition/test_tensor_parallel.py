@@ -22,12 +22,8 @@ class TPLM(TinyLM):
         self.blocks = torch.nn.ModuleList(Block(hidden=30) for _ in range(2))
 
 
-def _tp_fsdp(grad_scale: float = 1.0):
-    """``grad_scale`` != 1 multiplies the sharded gradients after each backward: the fault the gradient
-    check must see (AdamW alone is nearly blind to a scale)."""
-    warnings.simplefilter("ignore")
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp, tp = mesh["dp"], mesh["tp"]
+def _tp_then_fully_shard(tp, dp) -> tuple:
+    """A reference and its copy with TP on ``tp`` then ``fully_shard`` on ``dp``; the copy's first block's layout."""
     torch.manual_seed(0)
     reference = TPLM()
     model = copy.deepcopy(reference)
@@ -40,8 +36,20 @@ def _tp_fsdp(grad_scale: float = 1.0):
         "fc1": [str(p) for p in fc1.placements],
         "fc2": [str(p) for p in fc2.placements],
         "mesh_dims": fc1.device_mesh.mesh_dim_names,
-        "full_equal_at_start": torch.equal(fc1.full_tensor(), reference.blocks[0].fc1.weight),
     }
+    return reference, model, layout
+
+
+def _tp_fsdp(grad_scale: float = 1.0):
+    """``grad_scale`` != 1 multiplies the sharded gradients after each backward: the fault the gradient
+    check must see (AdamW alone is nearly blind to a scale)."""
+    warnings.simplefilter("ignore")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh["dp"], mesh["tp"]
+    reference, model, layout = _tp_then_fully_shard(tp, dp)
+    layout["full_equal_at_start"] = torch.equal(
+        model.blocks[0].fc1.weight.full_tensor(), reference.blocks[0].fc1.weight
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     dp_rank, dp_size = dp.get_local_rank(), dp.size()
@@ -87,19 +95,7 @@ def _hsdp_tp_3d(shape: tuple[int, int], tmp: str) -> dict:
     replicate, shard = shape
     mesh = init_device_mesh("cpu", (replicate, shard, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
     dp, tp = mesh["dp_replicate", "dp_shard"], mesh["tp"]
-    torch.manual_seed(0)
-    reference = TPLM()
-    model = copy.deepcopy(reference)
-    for block in model.blocks:
-        parallelize_module(block, tp, {"fc1": ColwiseParallel(), "fc2": RowwiseParallel()})
-        fully_shard(block, mesh=dp)
-    fully_shard(model, mesh=dp)
-    fc1, fc2 = model.blocks[0].fc1.weight, model.blocks[0].fc2.weight
-    layout = {
-        "fc1": [str(p) for p in fc1.placements],
-        "fc2": [str(p) for p in fc2.placements],
-        "mesh_dims": fc1.device_mesh.mesh_dim_names,
-    }
+    reference, model, layout = _tp_then_fully_shard(tp, dp)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     dp_rank = dp.get_local_rank(0) * shard + dp.get_local_rank(1)  # this rank's slice of the batch

@@ -13,7 +13,7 @@ import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..param_grad import stash_grad
-from ..schedule import backward_prefetch_targets, end_backward, unshard_with_prefetch
+from ..schedule import backward_prefetch_targets, end_backward, release_held, unshard_with_prefetch
 from ..state import IDLE, IN_BACKWARD, POST_BACKWARD, PRE_BACKWARD, GroupState, RootState
 
 
@@ -72,15 +72,6 @@ def end_of_graph_only(root: RootState, previous) -> None:
     if root.accumulated_in_graph_only:  # a nested backward (reentrant checkpoint) accumulated after all
         root.accumulated_in_graph_only = False
         end_of_backward(root)
-
-
-def release_held(root: RootState) -> None:
-    """Reshard the groups a created graph held: the backward that used that graph is over."""
-    for state in root.states:
-        if state.held_by_graph:
-            state.held_by_graph = False
-            if state.reshard_after_backward:
-                state.group.reshard()
 
 
 def pre_backward(state: GroupState) -> None:
