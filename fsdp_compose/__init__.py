@@ -22,6 +22,7 @@ from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .quantize import quantize_all_gather
 from .runtime.c10d_direct import CollectiveError
 from .runtime.handshake import ExecutionOrderError
+from .runtime.placement import ShardPlacementResult
 from .spmd_mesh import DataParallelMeshDims
 from .whole_model.checkpoint import exists as checkpoint_exists
 from .whole_model.checkpoint import load_checkpoint, save_checkpoint
@@ -35,6 +36,7 @@ __all__ = [
     "fully_shard",
     "FSDPModule",
     "DataParallelMeshDims",
+    "ShardPlacementResult",
     "UnshardHandle",
     "share_comm_ctx",
     "Comm",

@@ -22,7 +22,7 @@ from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.params import ShardedParam
-from .runtime.placement import DimShardedParam, resolve_shard_dim
+from .runtime.placement import DimShardedParam, resolve_placement
 from .runtime.state import GroupState, class_name, group_label, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .weights_check import check_same_values
@@ -250,58 +250,98 @@ def fully_shard(
     _check_mesh(module, mesh)
     validate_policies(class_name(module), mesh.device_type, default_device_type(), mp_policy, offload_policy)
     reshard_after_forward_chosen = reshard_after_forward is not None
-    reshard_after_forward, post_forward_ranks = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
+    forward_reshards, _ = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
     ignored = set(ignored_params or ())
     for param in ignored:
         mark_ignored(param)
     places, names = _managed_params(modules, ignored)
     param_device = _check_one_device(module, names)
     on_meta = param_device is not None and param_device.type == "meta"  # materialized later, by to_empty
-    device = mesh_device(mesh)
-    sharded = []
+    # one group per mesh, in the order of their first parameters
+    by_mesh: dict[tuple, tuple[DeviceMesh, dict[nn.Parameter, ShardedParam]]] = {}
     for param in places:
         fqn = names[param]
-        shard_dim = resolve_shard_dim(shard_placement_fn, param, fqn, class_name(module))
+        shard_dim, param_mesh = resolve_placement(shard_placement_fn, param, fqn, class_name(module))
         spmd, dp_dims = None, frozenset()
+        if param_mesh is not None and spmd_mesh is not None:
+            raise NotImplementedError(
+                f"fully_shard({class_name(module)}, dp_mesh_dims=...): shard_placement_fn put parameter '{fqn}' "
+                "on a mesh of its own; a per-parameter mesh takes a data-parallel mesh, not dp_mesh_dims"
+            )
+        group_mesh = mesh if param_mesh is None else param_mesh
         if spmd_mesh is not None:
             spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
             dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
+        device = mesh_device(group_mesh)
         layout = resolve_layout(param.dtype, device, mp_policy, offload_policy, on_meta)
         cls = DimShardedParam if shard_dim else ShardedParam
-        sharded.append(cls(param, places[param], fqn, mesh, layout, shard_dim, spmd, dp_dims, mp_policy))
+        sp = cls(param, places[param], fqn, group_mesh, layout, shard_dim, spmd, dp_dims, mp_policy)
+        by_mesh.setdefault(_mesh_key(group_mesh), (group_mesh, {}))[1][param] = sp
+    if not by_mesh:  # a call without parameters still has a (empty) group on its mesh
+        by_mesh[_mesh_key(mesh)] = (mesh, {})
 
-    check_same_values(class_name(module), {names[p]: p for p in places}, mesh, device)  # a collective per group
+    groups = []
+    for group_mesh, sharded in by_mesh.values():
+        if group_mesh is not mesh:
+            _check_mesh(module, group_mesh)
+        _, post_forward_ranks = _post_forward_ranks(class_name(module), group_mesh, reshard_after_forward)
+        device = mesh_device(group_mesh)
+        check_same_values(class_name(module), {names[p]: p for p in sharded}, group_mesh, device)  # a collective
+        groups.append((group_mesh, sharded, device, post_forward_ranks))
 
     # Nothing above changed the model; from here on, commit.
+    states = [
+        _build_state(modules, group_mesh, sharded, device, post_forward_ranks, mp_policy)
+        for group_mesh, sharded, device, post_forward_ranks in groups
+    ]
+    state = states[0]
+    state.companions = states[1:]
+    for s in states:
+        s.reshard_after_forward = True if forward_reshards is None else forward_reshards
+        s.reshard_after_forward_chosen = reshard_after_forward_chosen
+        s.primary = state if s is not state else None
+    install_optimizer_check()
+    install_pipelining()  # a no-op unless the program imported torch.distributed.pipelining
+    register_state(state)
+    if not on_meta:
+        _move_own_buffers(modules, state, state.group.device)
+    for m in modules:
+        for s in states[::-1]:  # pre-hooks are prepended: the call's first state runs first
+            register_state_dict_hooks(s, m)
+            m.register_forward_pre_hook(partial(pre_forward_hook, s), prepend=True, with_kwargs=True)
+        for s in states:
+            m.register_forward_hook(partial(post_forward_hook, s))
+        become_fsdp_module(m)
+    return module_list
+
+
+def _mesh_key(mesh: DeviceMesh) -> tuple:
+    """Meshes over the same ranks in the same layout form one group (FSDP2 keys by process group)."""
+    return tuple(mesh.mesh.shape), tuple(mesh.mesh.flatten().tolist())
+
+
+def _build_state(
+    modules: list[nn.Module],
+    mesh: DeviceMesh,
+    sharded: dict[nn.Parameter, ShardedParam],
+    device: torch.device,
+    post_forward_ranks: int | None,
+    mp_policy: MixedPrecisionPolicy,
+) -> GroupState:
+    """One group of a call (the parameters on one mesh) and its state; marks its parameters as its own."""
     all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
     comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
     post_forward = None
     if post_forward_ranks is not None:
         post_forward = PostForward(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
-    group = ParamGroup(sharded, mesh, device, class_name(module), group_label, comm, post_forward)
-    state = GroupState(
-        modules=modules,
-        group=group,
-        reshard_after_forward=True if reshard_after_forward is None else reshard_after_forward,
-        reshard_after_forward_chosen=reshard_after_forward_chosen,
-        mp_policy=mp_policy,
-    )
-    install_optimizer_check()
-    install_pipelining()  # a no-op unless the program imported torch.distributed.pipelining
-    for index, (original, sp) in enumerate(zip(places, sharded)):
+    group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), group_label, comm, post_forward)
+    state = GroupState(modules=modules, group=group, reshard_after_forward=True, mp_policy=mp_policy)
+    for index, (original, sp) in enumerate(sharded.items()):
         sp.on_grad_accumulated = lambda _param, state=state, index=index: on_grad_accumulated(state, index)
         sp.use(unsharded=False)
         register_owner(original, state, replaced_at=sp.fqn)  # the optimizer check names it (optimizer_check.py)
         register_owner(sp.sharded_param, state)
-    register_state(state)
-    if not on_meta:
-        _move_own_buffers(modules, state, device)
-    for m in modules:
-        register_state_dict_hooks(state, m)
-        m.register_forward_pre_hook(partial(pre_forward_hook, state), prepend=True, with_kwargs=True)
-        m.register_forward_hook(partial(post_forward_hook, state))
-        become_fsdp_module(m)
-    return module_list
+    return state
 
 
 # the state object of the call on a module, as torch's composable APIs offer: one per fully_shard call

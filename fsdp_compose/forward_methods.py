@@ -31,13 +31,16 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         raise ValueError(
             f"register_fsdp_forward_method: {class_name(module)} has no method {method_name!r}"
         )
-    state = state_of(module)
+    states = state_of(module).call_states  # one per mesh the call's parameters are on
 
     @functools.wraps(method)
     def run_as_forward(self: nn.Module, *args, **kwargs):
-        args, kwargs = pre_forward_hook(state, self, args, kwargs)
+        for state in states:
+            args, kwargs = pre_forward_hook(state, self, args, kwargs)
         output = method(self, *args, **kwargs)
-        return post_forward_hook(state, self, args, output)
+        for state in states:
+            output = post_forward_hook(state, self, args, output)
+        return output
 
     setattr(module, method_name, types.MethodType(run_as_forward, module))
 

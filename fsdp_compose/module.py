@@ -19,10 +19,11 @@ class UnshardHandle:
     """Returned by ``unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
 
     def __init__(self, state: GroupState) -> None:
-        self._state = state
+        self._states = state.call_states
 
     def wait(self) -> None:
-        self._state.group.wait_unshard()
+        for state in self._states:
+            state.group.wait_unshard()
 
 
 class AlreadyShardedError(ValueError, AssertionError):
@@ -70,8 +71,9 @@ class FSDPModule(FSDPModuleSettings):
         return state
 
     def _fsdp_states(self, recurse: bool) -> list[GroupState]:
+        """This call's states (one per mesh), or with ``recurse`` every state in the subtree."""
         if not recurse:
-            return [self._fsdp_state()]
+            return self._fsdp_state().call_states
         return [s for _, s in states_in(self)]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
@@ -80,27 +82,31 @@ class FSDPModule(FSDPModuleSettings):
         With ``async_op=True`` the all-gather is only issued; ``handle.wait()`` completes it.
         """
         state = self._fsdp_state()
-        if state.root is None:  # before the first forward: follow parameters replaced or materialized since fully_shard
-            follow_module(state)
-        state.group.start_unshard()
+        for s in state.call_states:
+            if s.root is None:  # before the first forward: follow parameters replaced or materialized since fully_shard
+                follow_module(s)
+            s.group.start_unshard()
         if async_op:
             return UnshardHandle(state)
-        state.group.wait_unshard()
+        for s in state.call_states:
+            s.group.wait_unshard()
         return None
 
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones again."""
-        self._fsdp_state().group.reshard()
+        for state in self._fsdp_states(recurse=False):
+            state.group.reshard()
 
     def _apply(self, fn, *args, **kwargs):
         """``model.to(dtype)``, ``.double()``, ``to_empty(...)``: convert the sharded parameters
         (resharded first), then let the group follow their new dtype; see ``runtime/refresh.py``."""
         state = state_of(self)
-        if state is not None:
-            state.group.reshard()
+        states = state.call_states if state is not None else []
+        for s in states:
+            s.group.reshard()
         out = super()._apply(fn, *args, **kwargs)
-        if state is not None:
-            follow_module(state)
+        for s in states:
+            follow_module(s)
         return out
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
@@ -141,11 +147,15 @@ class FSDPModule(FSDPModuleSettings):
 
         Replaces the recorded-order prefetch for this module; an empty list turns it off.
         """
-        self._fsdp_state().forward_prefetch = [_state_for_prefetch(m) for m in modules]
+        targets = [s for m in modules for s in _state_for_prefetch(m).call_states]
+        for state in self._fsdp_states(recurse=False):
+            state.forward_prefetch = targets
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules right after this one's all-gather in backward."""
-        self._fsdp_state().backward_prefetch = [_state_for_prefetch(m) for m in modules]
+        targets = [s for m in modules for s in _state_for_prefetch(m).call_states]
+        for state in self._fsdp_states(recurse=False):
+            state.backward_prefetch = targets
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """When False, the end of backward does not wait for gradient reductions.
@@ -153,7 +163,8 @@ class FSDPModule(FSDPModuleSettings):
         For pipeline schedules running several backward passes per step; the reductions are
         waited for at the next last backward or the next root forward.
         """
-        self._fsdp_state().is_last_backward = is_last_backward
+        for state in self._fsdp_states(recurse=False):
+            state.is_last_backward = is_last_backward
 
 
 def _state_for_prefetch(module: nn.Module) -> GroupState:

@@ -72,7 +72,8 @@ class FSDPModuleSettings:
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
             raise self._error(f"set_gradient_divide_factor({factor!r}): pass a positive finite number")
-        self._fsdp_state().group.comm.gradient_divide_factor = float(factor)
+        for state in self._fsdp_states(recurse=False):
+            state.group.comm.gradient_divide_factor = float(factor)
 
     @deprecated("Use `set_gradient_divide_factor` instead")
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -86,7 +87,8 @@ class FSDPModuleSettings:
         honoured and ``False`` changes nothing; the value is recorded on the group. An
         ``all_reduce_hook`` receives sums before the final division, as FSDP2 does here.
         """
-        self._fsdp_state().group.comm.force_sum_reduction = bool(enable)
+        for state in self._fsdp_states(recurse=False):
+            state.group.comm.force_sum_reduction = bool(enable)
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Include zero gradients for parameters that got none on this rank.
@@ -147,7 +149,8 @@ class FSDPModuleSettings:
         weight gradient needs only the indices) skips the all-gather in backward, saving a
         collective and the memory.
         """
-        self._fsdp_state().unshard_in_backward = bool(unshard_in_backward)
+        for state in self._fsdp_states(recurse=False):
+            state.unshard_in_backward = bool(unshard_in_backward)
 
     # ----- communication hooks ----------------------------------------------------------
     def set_custom_all_gather(self, comm: AllGather) -> None:
@@ -157,10 +160,10 @@ class FSDPModuleSettings:
         ``uint8`` buffer for the whole group) and ``comm(output_tensor, input_tensor, group,
         async_op)`` runs the collective, e.g. on another process group.
         """
-        group = self._fsdp_state().group
         check_comm(comm, "set_custom_all_gather", self._fsdp_name())
-        self._refuse_with_pg_allocation(group, "set_custom_all_gather")
-        group.comm.all_gather, group.comm.custom = comm, True
+        for state in self._fsdp_states(recurse=False):
+            self._refuse_with_pg_allocation(state.group, "set_custom_all_gather")
+            state.group.comm.all_gather, state.group.comm.custom = comm, True
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Run this group's gradient reduce-scatters through ``comm`` (``ReduceScatter`` protocol).
@@ -168,10 +171,10 @@ class FSDPModuleSettings:
         ``op`` is always ``ReduceOp.SUM``; the input buffer is a ``(world, n)`` table of
         padded gradients in the reduce dtype, flattened.
         """
-        group = self._fsdp_state().group
         check_comm(comm, "set_custom_reduce_scatter", self._fsdp_name())
-        self._refuse_with_pg_allocation(group, "set_custom_reduce_scatter")
-        group.comm.reduce_scatter, group.comm.custom = comm, True
+        for state in self._fsdp_states(recurse=False):
+            self._refuse_with_pg_allocation(state.group, "set_custom_reduce_scatter")
+            state.group.comm.reduce_scatter, state.group.comm.custom = comm, True
 
     def _refuse_with_pg_allocation(self, group, method: str) -> None:
         if group.comm.pg_allocation:
@@ -189,17 +192,18 @@ class FSDPModuleSettings:
         """
         if not callable(hook):
             raise self._error(f"set_all_reduce_hook: hook must be callable, got {type(hook).__name__}", TypeError)
-        group = self._fsdp_state().group
+        groups = [state.group for state in self._fsdp_states(recurse=False)]
         if stream is not None:
-            if group.replicate_group is not None:
+            if any(group.replicate_group is not None for group in groups):
                 raise self._error("set_all_reduce_hook: stream cannot be set when using native HSDP")
-            if group.device.type == "cpu":
+            if groups[0].device.type == "cpu":
                 raise self._error(
                     "set_all_reduce_hook: stream= needs an accelerator; this group "
                     "computes on CPU, where the hook runs in program order: leave stream unset"
                 )
             hook = _on_stream(hook, stream)
-        group.comm.all_reduce_hook = hook
+        for group in groups:
+            group.comm.all_reduce_hook = hook
 
     # ----- accelerator-only settings ----------------------------------------------------
     def set_post_optim_event(self, event: torch.Event) -> None:
@@ -217,7 +221,8 @@ class FSDPModuleSettings:
             )
         if not callable(getattr(event, "wait", None)):
             raise self._error(f"set_post_optim_event: expected a torch.Event, got {type(event).__name__}", TypeError)
-        state.group.comm.post_optim_event = event
+        for s in state.call_states:
+            s.group.comm.post_optim_event = event
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Allocate all-gather buffers in NCCL symmetric memory (NCCL on CUDA only).
@@ -243,7 +248,10 @@ class FSDPModuleSettings:
         so buffers keep coming from the default one and a ``UserWarning`` says so. Cannot be
         combined with custom all-gather/reduce-scatter objects.
         """
-        group = self._fsdp_state().group
+        for state in self._fsdp_states(recurse=False):
+            self._allocate_from_process_group(state.group, enable)
+
+    def _allocate_from_process_group(self, group, enable: bool) -> None:
         if not enable:
             if group.comm.pg_allocation:
                 group.comm.all_gather, group.comm.reduce_scatter = default_comms()

@@ -20,7 +20,7 @@ def _group(single_rank_group):
 def test_placement_fn_returns_something_else():
     assert_expected_inline(
         message(lambda: fully_shard(Block(), shard_placement_fn=lambda p: Replicate())),
-        """ValueError: fully_shard(Block, shard_placement_fn=...): returned Replicate() for parameter 'norm.weight'; return Shard(dim) or None (for Shard(0))""",
+        """ValueError: fully_shard(Block, shard_placement_fn=...): returned Replicate() for parameter 'norm.weight'; return Shard(dim), None (for Shard(0)) or ShardPlacementResult(placement, mesh_info)""",
     )
 
 
@@ -80,3 +80,32 @@ def test_dp_mesh_dims_shard_and_replicate_the_same_dim():
 
 def test_dp_mesh_dims_needs_a_name():
     assert_expected_inline(message(lambda: DataParallelMeshDims()), """ValueError: DataParallelMeshDims: set shard, replicate or both (mesh dim names)""")
+
+
+def test_placement_result_with_something_that_is_no_mesh():
+    from fsdp_compose import ShardPlacementResult
+
+    fn = lambda p: ShardPlacementResult(Shard(0), "dp") if p.dim() == 2 else None  # noqa: E731
+    assert_expected_inline(message(lambda: fully_shard(Block(), shard_placement_fn=fn)), """TypeError: fully_shard(Block, shard_placement_fn=...): the mesh_info for parameter 'fc1.weight' is 'dp'; pass a DeviceMesh or torch's FSDPMeshInfo/HSDPMeshInfo""")
+
+
+def test_placement_result_with_a_replicate_only_mesh_info():
+    from types import SimpleNamespace
+
+    from fsdp_compose import ShardPlacementResult
+
+    info = SimpleNamespace(mesh=init_device_mesh("cpu", (1,)), shard_mesh_dim=None, replicate_mesh_dim=0)
+    fn = lambda p: ShardPlacementResult(None, info)  # noqa: E731
+    assert_expected_inline(message(lambda: fully_shard(Block(), shard_placement_fn=fn)), """ValueError: fully_shard(Block, shard_placement_fn=...): the mesh_info for parameter 'norm.weight' has no shard dim (replicate only); fully_shard shards every parameter it manages""")
+
+
+def test_placement_result_with_dp_mesh_dims():
+    from fsdp_compose import ShardPlacementResult
+
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp", "tp"))
+    other = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+    fn = lambda p: ShardPlacementResult(None, other)  # noqa: E731
+    dims = DataParallelMeshDims(shard="dp")
+    assert_expected_inline(
+        message(lambda: fully_shard(_spmd_block(mesh), mesh=mesh, dp_mesh_dims=dims, shard_placement_fn=fn)), """NotImplementedError: fully_shard(Block, dp_mesh_dims=...): shard_placement_fn put parameter 'norm.weight' on a mesh of its own; a per-parameter mesh takes a data-parallel mesh, not dp_mesh_dims"""
+    )

@@ -24,6 +24,8 @@ BEYOND_FSDP2 = {
 NEWER_FSDP2 = {
     "DataParallelMeshDims", "dp_mesh_dims", "reset_iter_state", "set_reduce_scatter_max_input_buffers",
     "set_reduce_scatter_unused_params", "set_separate_reduce_scatter_group", "set_symm_mem_for_comm",
+    # torch 2.13 defines it in a private module (_fully_shard/_fsdp_common.py) and exports it from nowhere
+    "ShardPlacementResult",
 }
 
 

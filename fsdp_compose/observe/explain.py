@@ -195,7 +195,7 @@ def explain(
         plan.plan_group(
             s,
             names[s],
-            s in roots,
+            (s.primary or s) in roots,
             [names[t] for t in forward_prefetch_targets(schedules[s], s)],
             [names[t] for t in backward_prefetch_targets(schedules[s], s)],
         )
@@ -227,7 +227,8 @@ def _roots(model: nn.Module, states: list[GroupState]) -> dict[GroupState, Group
         state = state_of(module)
         if state in wanted:
             above = above or state
-            root_of.setdefault(state, state.root.root_module_state if state.root is not None else above)
+            for s in state.call_states:  # a call's groups on other meshes share its root
+                root_of.setdefault(s, state.root.root_module_state if state.root is not None else above)
         stack.extend((child, above) for child in reversed(list(module.children())))
     return root_of
 

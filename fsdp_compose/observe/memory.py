@@ -170,7 +170,7 @@ def replay(
     def post_forward(call: Call) -> None:
         s = call.state
         record_post_forward(schedules[s], s)
-        if s.reshards_after_forward(s in roots):
+        if s.reshards_after_forward((s.primary or s) in roots):
             reshard(s, after_forward=True)
 
     for call in calls:

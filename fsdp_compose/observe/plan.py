@@ -59,7 +59,7 @@ def module_names(model: nn.Module) -> dict[nn.Module, str]:
 
 def group_name(state: GroupState, names: dict[nn.Module, str]) -> str:
     found = [names.get(m, "?") or "<root>" for m in state.modules]
-    return ", ".join(found)
+    return ", ".join(found) + state.mesh_text
 
 
 def itemsize(dtype: torch.dtype) -> int:

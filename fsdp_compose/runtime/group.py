@@ -79,6 +79,7 @@ class ParamGroup:
         self._divisors: dict[float, torch.Tensor] = {}  # see _divisor
         # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
         # all-reduce of the reduced shards across the replicate dim
+        self.mesh = mesh
         self.world_size = mesh.size(mesh.ndim - 1)
         self.process_group = mesh.get_group(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)  # this rank's row of the all-gather output

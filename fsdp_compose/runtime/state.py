@@ -71,6 +71,10 @@ class GroupState:
     # gathered while a gradient-only backward created a graph (hooks/backward.py): that graph holds the
     # unsharded parameters, so they stay until the step's backward ends
     held_by_graph: bool = False
+    # a call whose shard_placement_fn put parameters on several meshes has one state per mesh: the
+    # first (registered on the modules) lists the others, which point back to it; each has its own hooks
+    companions: list[GroupState] = field(default_factory=list)
+    primary: GroupState | None = None
 
     @property
     def module(self) -> nn.Module:
@@ -79,7 +83,21 @@ class GroupState:
 
     @property
     def is_root(self) -> bool:
-        return self.root is not None and self.root.root_module_state is self
+        return self.root is not None and self.root.root_module_state is (self.primary or self)
+
+    @property
+    def mesh_text(self) -> str:
+        """Which mesh this group is on, for a call with groups on several meshes (``ShardPlacementResult``)."""
+        if not self.companions and self.primary is None:
+            return ""
+        mesh = self.group.mesh
+        names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+        return " on mesh (" + ", ".join(f"{n}={size}" for n, size in zip(names, mesh.mesh.shape)) + ")"
+
+    @property
+    def call_states(self) -> list[GroupState]:
+        """Every state of this ``fully_shard`` call: this one and its companions (one per mesh)."""
+        return [self, *self.companions]
 
     def reshards_after_forward(self, is_root: bool | None = None) -> bool:
         """Whether forward frees the parameters: not at the root unless the user asked for it.
@@ -147,21 +165,24 @@ def state_of(module: nn.Module) -> GroupState | None:
 def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
     """Every group in ``module``'s subtree with the name of its first module, in tree order.
 
-    A group of several modules (``fully_shard([a, b])``) is listed once.
+    A group of several modules (``fully_shard([a, b])``) is listed once; a call's groups on other
+    meshes follow its first.
     """
     found, seen = [], set()
     for name, m in module.named_modules():
         state = _module_states.get(m)
         if state is not None and state not in seen:
             seen.add(state)
-            found.append((name, state))
+            found.extend((name, s) for s in state.call_states)
     return found
 
 
 def register_state(state: GroupState) -> None:
+    """Register a call's first state on its modules, and every state of the call by group id."""
     for module in state.modules:
         _module_states[module] = state
-    _states_by_uid[(rank_key(), state.group.uid)] = state
+    for s in state.call_states:
+        _states_by_uid[(rank_key(), s.group.uid)] = s
 
 
 def group_label(uid: int) -> str:

@@ -60,7 +60,7 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
     for name, s in found:
         s.group.handshakes.use_ledgers(root.ledgers)
         s.root = root
-        s.group.label = f"'{name or '<root>'}' ({class_name(s.module)})"
+        s.group.label = f"'{name or '<root>'}' ({class_name(s.module)}){s.mesh_text}"
         for p in s.group.params:
             p.fqn = param_names.get(id(p.sharded_param), p.fqn)
 
