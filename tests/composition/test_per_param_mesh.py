@@ -52,26 +52,34 @@ def _meshes():
     return dense, experts
 
 
-def _experts_apart(expert_mesh, dim: int = 0):
+def _experts_apart(expert_mesh, dim: int = 0, torch_info: bool = False):
+    if torch_info:  # torch's own objects (torch 2.13+): an HSDPMeshInfo, read by its fields
+        from torch.distributed.fsdp._fully_shard._fsdp_common import HSDPMeshInfo
+        from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult as Result
+
+        expert_mesh = HSDPMeshInfo(mesh=expert_mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    else:
+        Result = ShardPlacementResult
+
     def placement(param: nn.Parameter):
         if param.dim() == 3:
-            return ShardPlacementResult(Shard(dim), expert_mesh)
+            return Result(Shard(dim), expert_mesh)
         return None
 
     return placement
 
 
-def _shard(model: MoELM, dense, experts, dim: int = 0, **kwargs) -> None:
+def _shard(model: MoELM, dense, experts, dim: int = 0, torch_info: bool = False, **kwargs) -> None:
     for block in model.blocks:
-        fully_shard(block, mesh=dense, shard_placement_fn=_experts_apart(experts, dim), **kwargs)
+        fully_shard(block, mesh=dense, shard_placement_fn=_experts_apart(experts, dim, torch_info), **kwargs)
     fully_shard(model, mesh=dense, **kwargs)
 
 
-def _train(dim: int, prefetch: bool) -> dict:
+def _train(dim: int, prefetch: bool, torch_info: bool) -> dict:
     dense, experts = _meshes()
 
     def shard(model: MoELM) -> None:
-        _shard(model, dense, experts, dim)
+        _shard(model, dense, experts, dim, torch_info)
         blocks = model.blocks
         if prefetch:
             for a, b in zip(blocks, blocks[1:]):
@@ -90,9 +98,22 @@ def _train(dim: int, prefetch: bool) -> dict:
     return result
 
 
-@pytest.mark.parametrize("dim,prefetch", [(0, False), (1, True)])
-def test_experts_on_a_2x2_mesh_train_at_parity(dim, prefetch):
-    results = run_on_ranks(4, _train, dim, prefetch)
+def _torch_has_placement_result() -> bool:
+    from torch.distributed.fsdp._fully_shard import _fsdp_common
+
+    return hasattr(_fsdp_common, "ShardPlacementResult")
+
+
+NEEDS_TORCH_RESULT = pytest.mark.skipif(
+    not _torch_has_placement_result(), reason="torch's ShardPlacementResult arrived in torch 2.13"
+)
+
+
+@pytest.mark.parametrize(
+    "dim,prefetch,torch_info", [(0, False, False), (1, True, False), pytest.param(0, False, True, marks=NEEDS_TORCH_RESULT)]
+)
+def test_experts_on_a_2x2_mesh_train_at_parity(dim, prefetch, torch_info):
+    results = run_on_ranks(4, _train, dim, prefetch, torch_info)
     assert_parity(results)
     for r in results:
         assert r["dense_mesh"] == ("dp",)
@@ -241,11 +262,7 @@ def _all(value: torch.Tensor) -> list[float]:
     return [v.item() for v in out]
 
 
-@pytest.mark.skipif(
-    not hasattr(__import__("torch.distributed.fsdp._fully_shard._fsdp_common").distributed.fsdp._fully_shard._fsdp_common,
-                "ShardPlacementResult"),
-    reason="torch's ShardPlacementResult arrived in torch 2.13",
-)
+@NEEDS_TORCH_RESULT
 def test_expert_parallel_experts_on_their_own_mesh_with_torchs_mesh_info():
     results = run_on_ranks(4, _expert_parallel, False)
     for r in results:
