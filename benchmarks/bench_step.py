@@ -143,8 +143,8 @@ class SegmentBlindTracker(StorageTracker):
 
 def time_handshakes() -> dict:
     """From now on, add up the time this rank spends in divergence handshakes: the ledger's rounds
-    (on gloo one before each all-gather, its 48-byte all-reduce, wait and verdict), less the
-    reduce-scatters a round issues once it agrees; only ours in the default mode runs them. CPU
+    (on gloo one before each all-gather, its 48-byte all-reduce, wait and verdict); only ours in
+    the default mode runs them. CPU
     time is their own work; wall time also holds the wait for the other rank, which under load is
     mostly the other rank's lag (the all-gather after it would wait for that anyway), so it is a
     loose upper bound."""
@@ -155,21 +155,9 @@ def time_handshakes() -> dict:
     spent = {"seconds": 0.0, "cpu": 0.0, "calls": 0}
     original = Ledger.close_round
 
-    def not_counted(issue):
-        def run():
-            start, cpu = time.perf_counter(), time.thread_time()
-            try:
-                issue()
-            finally:
-                spent["seconds"] -= time.perf_counter() - start
-                spent["cpu"] -= time.thread_time() - cpu
-
-        return run
-
     def timed(ledger):
         if not ledger.log:  # nothing to agree on: no collective
             return original(ledger)
-        ledger.waiting = [not_counted(issue) for issue in ledger.waiting]
         start, cpu = time.perf_counter(), time.thread_time()
         try:
             return original(ledger)

@@ -211,14 +211,15 @@ class ParamGroup:
         return kept + sum(p.unsharded_nbytes() for p in self.params)
 
     # ----- gradients --------------------------------------------------------------------
-    def start_reduce(self, all_reduce: bool = True, then: Callable[[], None] | None = None) -> None:
-        """Reduce-scatter every trainable parameter's unsharded gradient, one collective per dtype.
+    def start_reduce(self, all_reduce: bool = True) -> list[Callable[[], None]]:
+        """Prepare the reduce-scatter of every trainable parameter's unsharded gradient, one per dtype, and
+        return the calls that issue them: the schedule issues them (on gloo after the next handshake).
 
         A parameter without a gradient here sends zeros and a flag, so ranks issue the same collectives
         and one no rank had a gradient for keeps ``.grad`` as it was. HSDP with ``all_reduce=False``
-        keeps partial sums for the next all-reduced reduction. ``then`` runs once the last is issued
-        (on gloo possibly at the next handshake).
+        keeps partial sums for the next all-reduced reduction.
         """
+        issues = []
         plan = self.reduce_plan()
         comm = self.comm
         group = comm.reduce_process_group or self.process_group
@@ -243,9 +244,9 @@ class ParamGroup:
                     pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
                 accumulate_all = all_present or not self._reads_flags(group)
                 finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
-                last = then if reduction is plan[-1] else None  # ``then`` follows the group's last reduction
-                issue = partial(self._issue_reduce_scatter, rows, group, pre_divide, padding, finish, last)
-                self.handshakes.check(REDUCE_SCATTER, reduction.row_bytes, group, issue)
+                self.handshakes.check(REDUCE_SCATTER, reduction.row_bytes, group)
+                issues.append(partial(self._issue_reduce_scatter, rows, group, pre_divide, padding, finish))
+        return issues
 
     def reduce_plan(self) -> list[Reduction]:
         """The group's reduce-scatters: one per reduce dtype of its trainable parameters."""
@@ -257,13 +258,11 @@ class ParamGroup:
         return self._reduce_plan
 
     def _issue_reduce_scatter(
-        self, rows: list, group, pre_divide: float, padding: torch.Tensor | None, finish: Callable, then: Callable
+        self, rows: list, group, pre_divide: float, padding: torch.Tensor | None, finish: Callable
     ) -> None:
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
             work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter, padding)
         self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), name=self._name_reduce_scatter))
-        if then is not None:  # the group's last reduction
-            then()
 
     def _flag_rows(
         self, reduction: Reduction, present: list[bool], all_present: bool

@@ -7,8 +7,8 @@ a mismatch ranks exchange their logs and raise ``ExecutionOrderError`` naming th
 
 When a round closes is the one backend-specific choice. On gloo a mismatched collective aborts the
 process or hangs, so a round closes before each all-gather and all-reduce and is read at once; a
-reduce-scatter only waits in the log, issued when the next round on its process group agrees
-(usually the next block's prefetch, else when backward ends): one synchronisation per block.
+reduce-scatter is only logged, and the schedule issues it once the next round on its process group
+agreed (usually the next block's prefetch, else when backward ends): one synchronisation per block.
 Elsewhere a host read waits for the device, so a round closes when backward ends, its verdict is
 read a round later on an accelerator and never for fake tensors; collectives after a difference
 have run by then, and mismatched sizes may hang there until the timeout.
@@ -112,7 +112,7 @@ class Entry:
 
 class Ledger:
     """One process group's log of the current round, and the verdict of the previous one. ``before_each``
-    (gloo): rounds close before each collective, on the CPU, and reduce-scatters wait for the next."""
+    (gloo): rounds close before each collective, on the CPU, except that reduce-scatters wait for the next."""
 
     def __init__(self, group, device: torch.device, before_each: bool = False) -> None:
         self.group = group
@@ -120,7 +120,6 @@ class Ledger:
         self.before_each = before_each
         self.log: list[Entry] = []
         self.digest = 0
-        self.waiting: list[Callable[[], None]] = []  # reduce-scatters issued once this round agrees
         self.pending: tuple | None = None  # (verdict, event, log, name_of) of a closed round
         self.name_of: Callable[[int], str] = str
 
@@ -133,16 +132,15 @@ class Ledger:
         self.name_of = name_of
 
     def close_round(self) -> None:
-        """Agree on this round's log on the device; read the verdict now on the CPU, next round elsewhere;
-        then issue the reduce-scatters that waited for it."""
+        """Agree on this round's log on the device; read the verdict now on the CPU, next round elsewhere."""
         previous, self.pending = self.pending, None
         if previous is not None:
             self._read(previous)
         if not self.log:
             return
-        log, waiting, name_of = self.log, self.waiting, self.name_of
+        log, name_of = self.log, self.name_of
         fields = [MAGIC, len(log), self.digest]
-        self.log, self.digest, self.waiting = [], 0, []
+        self.log, self.digest = [], 0
         # built on the host and copied without a stream sync (a blocking copy to a GPU would wait for it)
         mine = torch.tensor(fields + [-value for value in fields], dtype=torch.int64).to(self.device, non_blocking=True)
         verdict = disagreement(mine, (self.group,), partial(_round_name, log[-1], self.before_each, name_of)).any()
@@ -153,13 +151,11 @@ class Ledger:
             self.pending = (verdict, event, log, name_of)
         else:
             self._read((verdict, None, log, name_of))
-        for issue in waiting:
-            issue()
 
     def forget(self) -> None:
-        """Drop this round's log, its waiting reduce-scatters and any pending verdict (after a failed step)."""
+        """Drop this round's log and any pending verdict (after a failed step)."""
         self.pending = None
-        self.log, self.digest, self.waiting = [], 0, []
+        self.log, self.digest = [], 0
 
     def _read(self, pending: tuple) -> None:
         verdict, event, log, name_of = pending
@@ -225,10 +221,15 @@ class Ledgers:
         ledger.device = device
         return ledger
 
+    def awaiting(self) -> bool:
+        """Whether a gloo round holds logged reduce-scatters: they are issued once it closes (``flush``)."""
+        return any(ledger.before_each and ledger.log for ledger in self.by_group.values())
+
     def flush(self) -> None:
-        """Agree on and issue the reduce-scatters waiting on gloo (when a group's backward begins and ends)."""
-        for ledger in [ledger for ledger in self.by_group.values() if ledger.waiting]:  # issuing may add ledgers
-            ledger.close_round()
+        """Close the gloo rounds that hold logged reduce-scatters, so that they may be issued."""
+        for ledger in self.by_group.values():
+            if ledger.before_each and ledger.log:
+                ledger.close_round()
 
     def close_round(self) -> None:
         for ledger in list(self.by_group.values()):
@@ -279,18 +280,13 @@ class Handshakes:
             self._entries[key] = entry
         return entry
 
-    def check(self, kind: int, nbytes: int, group, issue: Callable[[], None] | None = None) -> None:
-        """Log this collective, then run ``issue`` (which issues it), if given. On gloo the round closes
-        first (``ExecutionOrderError`` on every rank unless all agree), except that a reduce-scatter's
-        ``issue`` waits for the next round on its process group, which then covers both."""
+    def check(self, kind: int, nbytes: int, group) -> None:
+        """Log this collective before it is issued. On gloo the round closes at once (``ExecutionOrderError``
+        on every rank unless all agree), except after a reduce-scatter: the schedule issues it once the next
+        round on its process group closed (``Ledgers.flush``), which then covers both."""
         entry = self._entry(kind, nbytes, group) if kind in self.on_gloo else None
         if entry is not None:
             ledger = entry.ledger
             ledger.record(entry, self.name_of)
-            if ledger.before_each:
-                if kind == REDUCE_SCATTER and issue is not None:
-                    ledger.waiting.append(issue)
-                    return
+            if ledger.before_each and kind != REDUCE_SCATTER:
                 ledger.close_round()
-        if issue is not None:
-            issue()

@@ -73,6 +73,7 @@ def end_step(root: RootState, failed: bool = False) -> None:
     root.phase = STEP_FORWARD
     release_held(root, always=True)  # a graph created for a backward that never came: let its groups go
     if failed:
+        root.unissued.clear()
         for s in root.states:
             s.group.discard_step()
             s.reset_backward()
@@ -106,6 +107,30 @@ def _set_reference(root: RootState, order: Iterable[GroupState]) -> None:
 
 def _name(order: list[GroupState], index: int) -> str:
     return order[index].group.label if index < len(order) else "<end>"
+
+
+def queue_reductions(root: RootState, state: GroupState, issues: list) -> None:
+    """Issue ``state``'s reduce-scatters now, or, while a gloo round holds logged ones, after it closes: the
+    next all-gather's handshake (``issue_reductions`` follows it) or the end of backward covers them."""
+    root.unissued.append((state, issues))
+    if not root.ledgers.awaiting():
+        issue_reductions(root)
+
+
+def issue_reductions(root: RootState) -> None:
+    """Close the rounds the queued reduce-scatters were logged in (gloo), issue them, and wait for the oldest
+    reductions beyond the limit (it bounds their memory)."""
+    if not root.unissued:
+        return
+    root.ledgers.flush()
+    queued, root.unissued = root.unissued, []
+    for state, issues in queued:
+        for issue in issues:
+            issue()
+        root.reducing.append(state)
+        limit = state.reduce_buffers or root.reduce_limit
+        while len(root.reducing) > limit:
+            root.reducing.pop(0).group.wait_reduces()
 
 
 def unshard_with_prefetch(state: GroupState, targets: list[GroupState]) -> None:

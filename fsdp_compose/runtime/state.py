@@ -123,6 +123,8 @@ class RootState:
     prefetch_limit: int = 1  # all-gathers in flight ahead of the running group
     reduce_limit: int = 2  # reduce-scatters in flight before the oldest is waited for
     reducing: list[GroupState] = field(default_factory=list)
+    # reduce-scatters prepared but not issued yet: on gloo they wait for the next handshake (schedule.py)
+    unissued: list[tuple[GroupState, list]] = field(default_factory=list)
     # execution order (see schedule.py)
     forward_order: dict[GroupState, None] = field(default_factory=dict)  # first calls, in order
     post_forward_order: list[GroupState] = field(default_factory=list)

@@ -7,13 +7,18 @@ still needs the unsharded weights, frozen ones included. The end of backward fin
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch.autograd.graph import get_gradient_edge
 
 from ..param_grad import stash_grad
-from ..schedule import backward_prefetch_targets, end_backward, release_held, unshard_with_prefetch
+from ..schedule import (
+    backward_prefetch_targets,
+    end_backward,
+    issue_reductions,
+    queue_reductions,
+    release_held,
+    unshard_with_prefetch,
+)
 from ..state import IDLE, IN_BACKWARD, POST_BACKWARD, PRE_BACKWARD, GroupState, RootState
 
 
@@ -89,7 +94,7 @@ def pre_backward(state: GroupState) -> None:
     else:  # set_unshard_in_backward(False): only the prefetches
         for target in targets:
             target.group.start_unshard()
-    root.ledgers.flush()  # the reduce-scatters no all-gather above took with its handshake (gloo)
+    issue_reductions(root)  # after the handshake of the all-gathers above (gloo)
 
 
 def on_grad_accumulated(state: GroupState, index: int) -> None:
@@ -121,19 +126,10 @@ def post_backward(state: GroupState) -> None:
     if state.reshard_after_backward and not state.held_by_graph:  # the gradients are separate tensors
         group.reshard()
     if group.trainable and state.requires_gradient_sync:
-        group.start_reduce(all_reduce=state.requires_all_reduce, then=partial(_bound_reductions, state))
+        queue_reductions(state.root, state, group.start_reduce(all_reduce=state.requires_all_reduce))
     elif group.trainable:  # no-sync micro-batch: keep summing in the reduce dtype
         for p in group.trainable:
             stash_grad(p)
-
-
-def _bound_reductions(state: GroupState) -> None:
-    """Once ``state``'s reductions are issued: wait for the oldest beyond the limit (it bounds their memory)."""
-    reducing = state.root.reducing
-    reducing.append(state)
-    limit = state.reduce_buffers or state.root.reduce_limit
-    while len(reducing) > limit:
-        reducing.pop(0).group.wait_reduces()
 
 
 def holds_gradients(state: GroupState) -> bool:
@@ -156,7 +152,7 @@ def end_of_backward(root: RootState, held: bool = False) -> None:
         elif state.group.is_unsharded and state.reshard_after_backward:
             state.group.reshard()
     release_held(root)
-    root.ledgers.flush()
+    issue_reductions(root)
     if root.root_module_state.is_last_backward:
         for state in root.states:
             if state.group.pending_reduces:  # most groups' reductions finished long ago
