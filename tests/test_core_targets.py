@@ -20,11 +20,11 @@ from tools import core_targets
 # 4531 before the classic mistakes were caught (optimizer_check.py, weights_check.py: issue 40); 4681 before issue
 # 37's flows (inference mode, FakeTensor parameters, tied weights loaded in place, the protocol attached late, N-D meshes, pipeline schedules: pipelining.py, double backward);
 # 4919 before per-parameter meshes (ShardPlacementResult: a call's groups, one per mesh)
-API_AND_RUNTIME_LINES_CEILING = 5050
+API_AND_RUNTIME_LINES_CEILING = 5068  # 5050 before explain counted a matrix optimizer's collectives
 # features added since the issue was filed (protocol, ledger, estimate, quantized gather); 7918 before the shm
 # transport left the package for fsdp_compose_shm/ (and the runtime docstrings were cut); 7122 before one ledger
 # 6985 before torch 2.11-2.12 support; 6996 before checkpoint loading read through an allowlist (checkpoint_safety.py)
-PACKAGE_LINES_CEILING = 8255  # 7602 before optim/ (issue 36); 7204 before optimizer_check.py and weights_check.py; 7354 before issue 37's flows; 8123 before per-parameter meshes
+PACKAGE_LINES_CEILING = 8415  # 7602 before optim/ (issue 36); 7204 before optimizer_check.py and weights_check.py; 7354 before issue 37's flows; 8123 before per-parameter meshes; 8255 before 3-D experts in OwnerComputedMuon
 FILES_OVER_400_CEILING: set[str] = set()  # the target: params.py (424) split off its gradient path (param_grad.py)
 PRE_FORWARD_MODULES_CEILING = 8  # the target: 12 before one-idea merges (clean_tls, scopes, prefetch, input signal)
 FUNCTION_LEVEL_IMPORTS_CEILING = 0
@@ -64,8 +64,8 @@ def test_pre_forward_touches_no_more_modules():
 
 # issue 35's measures (tools/core_targets.py): code lines, and the files a whole step runs through;
 # the ceilings are today's figures, lowered as the restructuring lands
-API_AND_RUNTIME_CODE_LINES_CEILING = 3368  # 3270 before per-parameter meshes (issue 37)
-PACKAGE_CODE_LINES_CEILING = 5680  # with optim/ (issue 36): 5216 before; 5581 before per-parameter meshes
+API_AND_RUNTIME_CODE_LINES_CEILING = 3380  # 3270 before per-parameter meshes (issue 37)
+PACKAGE_CODE_LINES_CEILING = 5795  # with optim/ (issue 36): 5216 before; 5581 before per-parameter meshes
 STEP_FILES_CEILING = {"forward": 10, "backward": 11}  # the targets: 7 and 7 (torch's FSDP2: 6 and 5)
 
 

@@ -8,7 +8,7 @@ forward/backward, which every rank must do together).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,6 +60,8 @@ class Totals:
     step_bytes: int  # at optimizer.step: parameters, gradients, optimizer state, buffers
     activation_bytes: int | None = None  # measured with sample_batch
     measured_peak_bytes: int | None = None  # measured with sample_batch (storages, this rank)
+    optimizer_collectives: int = 0  # issued by optimizer.step() itself (whole-matrix owners), not in the above
+    optimizer_collective_bytes: int = 0  # their inputs on this rank
 
 
 @dataclass
@@ -88,6 +90,10 @@ class Explanation:
             f" + in flight {fmt_bytes(t.in_flight_peak_bytes)} (gathered groups, buffers, gradients) at {t.peak_at}"
             "; activations not included",
         ]
+        if t.optimizer_collectives:
+            lines.insert(2, f"optimizer.step(): {t.optimizer_collectives} collectives more, "
+                         f"{fmt_bytes(t.optimizer_collective_bytes)} in from this rank "
+                         "(matrices to their owners and back)")
         if t.measured_peak_bytes is not None:
             lines.append(
                 f"measured with the sample batch: peak {fmt_bytes(t.measured_peak_bytes)}, "
@@ -146,7 +152,7 @@ def fmt_bytes(n: int | None) -> str:
 
 def explain(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     sample_batch: Any = None,
     loss_fn: Callable[[nn.Module, Any], torch.Tensor] | None = None,
 ) -> Explanation:
@@ -157,7 +163,9 @@ def explain(
     parameters, all-gathers and reduce-scatters per step (bytes as ``CommStats`` counts them),
     reshard policy, prefetch targets and offload. Totals: bytes moved per step against the
     ``3 (N-1)/N * P`` minimum, and the predicted per-rank peak of sharded parameters, optimizer
-    state (``optimizer``'s if it has state, else assumed from its type; AdamW when ``None``)
+    state (``optimizer``'s if it has state, else assumed from its type; AdamW when ``None``; a list of
+    optimizers, such as Muon and AdamW, sums theirs; an optimizer with ``owned_state_bytes()`` and
+    ``collectives_per_step()``, such as ``OwnerComputedMuon``, reports its own state and collectives)
     and the gradients, collective buffers and unsharded groups in flight at the prefetch and
     reduce limits. Activations are not predicted; pass ``sample_batch`` (every rank must) to
     run one forward/backward (``loss_fn(model, batch)``, default ``model(batch).sum()``) and
@@ -201,8 +209,11 @@ def explain(
         )
         for s in states
     ]
-    optimizer_bytes, source = _optimizer_bytes(states, optimizer)
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    counted = [_optimizer_bytes(states, opt) for opt in optimizers]
+    optimizer_bytes, source = sum(n for n, _ in counted), " + ".join(src for _, src in counted)
     totals = _totals(model, states, groups, optimizer_bytes, source, result)
+    totals.optimizer_collectives, totals.optimizer_collective_bytes = _optimizer_collectives(optimizers)
     explanation = Explanation(groups, totals, _notes(root))
     if sample_batch is not None:
         _measure(model, sample_batch, loss_fn, explanation)
@@ -233,7 +244,21 @@ def _roots(model: nn.Module, states: list[GroupState]) -> dict[GroupState, Group
     return root_of
 
 
+def _optimizer_collectives(optimizers: list[Any]) -> tuple[int, int]:
+    """Collectives an optimizer's own ``step()`` issues (``collectives_per_step()``: calls, bytes), summed."""
+    calls = nbytes = 0
+    for optimizer in optimizers:
+        per_step = getattr(optimizer, "collectives_per_step", None)
+        if callable(per_step):
+            c, n = per_step()
+            calls, nbytes = calls + c, nbytes + n
+    return calls, nbytes
+
+
 def _optimizer_bytes(states: list[GroupState], optimizer: torch.optim.Optimizer | None) -> tuple[int, str]:
+    owned = getattr(optimizer, "owned_state_bytes", None)
+    if callable(owned):  # whole-matrix owners: the state this rank holds is not its shards' share
+        return owned(), f"{type(optimizer).__name__}: {'measured' if optimizer.state else 'planned'}, owned matrices"
     params = [p for s in states for p in s.group.trainable]
     local_bytes = {id(p.sharded_param): p.local_tensor().numel() * p.local_tensor().element_size() for p in params}
     if optimizer is not None and optimizer.state:

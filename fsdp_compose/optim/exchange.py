@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 
-def assign_owners(numels: Sequence[int], world_size: int) -> list[int]:
+def assign_owners(numels: Sequence[int], world_size: int, load: Sequence[int] | None = None) -> list[int]:
     """Owner rank of each matrix: largest first to the least-loaded rank (ties: lowest index, lowest rank).
 
-    Deterministic in its inputs, so every rank computes the same owners without a collective.
+    Deterministic in its inputs, so every rank computes the same owners without a collective. ``load``:
+    elements each rank computes already (its rows of 3-D expert batches), so matrices fill in around them.
     """
-    load = [0] * world_size
+    load = list(load) if load is not None else [0] * world_size
     owners = [0] * len(numels)
     for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
         rank = min(range(world_size), key=lambda r: (load[r], r))

@@ -5,11 +5,14 @@ update. ``torch.optim.Muon`` on ``Shard(0)`` DTensors gets the right answer by D
 rank then computes every full matrix and each matmul gathers. Here each matrix has one owner in its
 shard group: gradients' rows travel to the owners in one collective, each owner keeps that matrix's
 momentum and runs Newton-Schulz on it, and the update's rows travel back in one more.
+
+A 3-D parameter ``(E, m, n)`` (expert weights) is a batch of ``E`` matrices. Sharded ``Shard(0)`` on the
+batch dim, each rank already holds whole matrices: it computes its own, with no collective, and keeps
+their momentum; the 2-D matrices' owners are then balanced around that load.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,53 +22,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
 from .exchange import Matrix, ShardGroup, assign_owners, chunk_rows, gather_to_owners, scatter_from_owners
+from .muon import MUON_COEFFICIENTS, adjusted_lr, check_hyperparameters, muon_momentum, newton_schulz
 from .state import MOMENTUM, momentum_to_shards, shards_to_momentum
 
 UpdateFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
-MUON_COEFFICIENTS = (3.4445, -4.775, 2.0315)
-ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
-
-
-def newton_schulz(
-    matrix: torch.Tensor,
-    coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
-    steps: int = 5,
-    eps: float = 1e-7,
-) -> torch.Tensor:
-    """Approximate orthogonalization ``U V^T`` of ``matrix`` by a quintic Newton-Schulz iteration in bf16.
-
-    Works on the wide orientation (fewer rows than columns) so the Gram matrix is the small one.
-    """
-    a, b, c = coefficients
-    tall = matrix.size(0) > matrix.size(1)
-    x = matrix.bfloat16()
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
-    for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G^2
-        x = torch.addmm(x, poly, x, beta=a)  # a*X + (b*G + c*G^2) X
-    return x.T if tall else x
-
-
-def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
-    """Muon's per-shape learning rate, so rectangular matrices get updates of comparable RMS."""
-    rows, cols = shape[0], shape[1]
-    if adjust_lr_fn in (None, "original"):
-        return lr * math.sqrt(max(1.0, rows / cols))
-    return lr * 0.2 * math.sqrt(max(rows, cols))  # "match_rms_adamw": RMS like AdamW's
-
-
-def muon_momentum(grad: torch.Tensor, state: dict[str, Any], momentum: float, nesterov: bool) -> torch.Tensor:
-    """The matrix Muon orthogonalizes: the momentum buffer, or its Nesterov look-ahead; the gradient at momentum 0."""
-    if momentum == 0:
-        return grad
-    buf = state.get("momentum_buffer")
-    if buf is None:
-        buf = state["momentum_buffer"] = torch.zeros_like(grad)
-    buf.lerp_(grad, 1 - momentum)
-    return grad.lerp(buf, momentum) if nesterov else buf
 
 
 def _shard_group_of(param: torch.Tensor) -> ShardGroup:
@@ -77,7 +37,7 @@ def _shard_group_of(param: torch.Tensor) -> ShardGroup:
 
 def _unsupported(param: torch.Tensor) -> str | None:
     """Why ``param`` cannot take this path, or None."""
-    if param.ndim != 2:
+    if param.ndim not in (2, 3):
         return f"{param.ndim}-D, shape {tuple(param.shape)}"
     if torch.is_complex(param):
         return "complex"
@@ -90,12 +50,17 @@ def _unsupported(param: torch.Tensor) -> str | None:
 
 @dataclass
 class _Bucket:
-    """The parameters sharing one shard group, with their owners (fixed at planning)."""
+    """The parameters sharing one shard group, with their owners (fixed at planning).
+
+    ``params``: 2-D matrices, each computed by its owner; ``batches``: 3-D batches of matrices, each rank
+    computing the matrices it holds."""
 
     shard_group: ShardGroup
     params: list[torch.Tensor] = field(default_factory=list)
     groups: list[dict[str, Any]] = field(default_factory=list)
     owners: list[int] = field(default_factory=list)
+    batches: list[torch.Tensor] = field(default_factory=list)
+    batch_groups: list[dict[str, Any]] = field(default_factory=list)
 
 
 class OwnerComputedMuon(torch.optim.Optimizer):
@@ -103,8 +68,10 @@ class OwnerComputedMuon(torch.optim.Optimizer):
 
     Arguments are ``torch.optim.Muon``'s; ``update_fn(matrix, state) -> update``, if given, replaces
     Newton-Schulz: it receives the owner's whole momentum matrix (the gradient at ``momentum=0``) and that
-    parameter's state dict on the owner, where it may keep its own buffers. Plain tensors are computed
-    locally. Gradients must be present on all ranks of a shard group alike, as ``fully_shard`` gives them.
+    parameter's state dict on the owner, where it may keep its own buffers. 3-D parameters ``(E, m, n)`` are
+    batches of ``E`` matrices (expert weights): each rank computes the matrices it holds, and ``update_fn``
+    receives that ``(e, m, n)`` batch. Plain tensors are computed locally. Gradients must be present on all
+    ranks of a shard group alike, as ``fully_shard`` gives them.
     """
 
     def __init__(
@@ -120,7 +87,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         adjust_lr_fn: str | None = None,
         update_fn: UpdateFn | None = None,
     ) -> None:
-        _check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
+        check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
         defaults = dict(
             lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov, ns_coefficients=ns_coefficients,
             eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
@@ -140,7 +107,8 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             bad += [f"{name} ({why})" for name, p in zip(names, group["params"]) if (why := _unsupported(p))]
         if bad:
             raise ValueError(
-                "OwnerComputedMuon updates 2-D matrices (Shard(0) DTensors or plain tensors); give these to another "
+                "OwnerComputedMuon updates 2-D matrices and 3-D batches of them (Shard(0) DTensors or plain tensors); "
+                "give these to another "
                 "optimizer such as torch.optim.AdamW: " + ", ".join(bad)
             )
 
@@ -155,10 +123,19 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             for p in group["params"]:
                 sg = _shard_group_of(p)
                 bucket = buckets.setdefault(_ranks_of(sg), _Bucket(sg))
-                bucket.params.append(p)
-                bucket.groups.append(group)
+                if p.ndim == 3:
+                    bucket.batches.append(p)
+                    bucket.batch_groups.append(group)
+                else:
+                    bucket.params.append(p)
+                    bucket.groups.append(group)
         for bucket in buckets.values():
-            bucket.owners = assign_owners([p.numel() for p in bucket.params], bucket.shard_group.size)
+            size = bucket.shard_group.size
+            held = [0] * size  # elements of 3-D batches each rank computes where it holds them
+            for p in bucket.batches:
+                for r, count in enumerate(chunk_rows(p.shape[0], size)):
+                    held[r] += count * p.shape[1] * p.shape[2]
+            bucket.owners = assign_owners([p.numel() for p in bucket.params], size, held)
         self._buckets, self._planned_for = list(buckets.values()), key
         return self._buckets
 
@@ -174,6 +151,9 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         return loss
 
     def _step_bucket(self, bucket: _Bucket) -> None:
+        for p, group in zip(bucket.batches, bucket.batch_groups):
+            if p.grad is not None:
+                self._step_batch(p, group)
         sg = bucket.shard_group
         active = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         if not active:
@@ -204,6 +184,55 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             if sg.group is not None and group["momentum"] != 0:
                 self._has_momentum.add(id(p))
 
+    def _step_batch(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        """A 3-D batch of matrices: this rank's matrices (its ``Shard(0)`` rows), updated where they are."""
+        grad = _local(param.grad)
+        state = self.state[param]
+        matrix = muon_momentum(grad, state, group["momentum"], group["nesterov"])
+        if grad.numel() == 0:
+            update = matrix  # this rank holds none of the batch (more ranks than matrices)
+        elif self.update_fn is not None:
+            update = self.update_fn(matrix, state)
+        else:
+            update = newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
+        _apply(param, update, group)
+
+    def owned_state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds, for ``explain``: what its state holds once stepped; before
+        that, the momentum it will hold (each whole matrix it owns, its rows of 3-D batches). Local, read-only."""
+        if self.state:
+            return sum(t.numel() * t.element_size() for s in self.state.values() for t in s.values()
+                       if isinstance(t, torch.Tensor))
+        total = 0
+        for bucket in self._plan():
+            me = bucket.shard_group.rank
+            for p, group, owner in zip(bucket.params, bucket.groups, bucket.owners):
+                if p.requires_grad and group["momentum"] != 0 and owner == me:
+                    total += p.numel() * p.element_size()
+            for p, group in zip(bucket.batches, bucket.batch_groups):
+                if p.requires_grad and group["momentum"] != 0:
+                    total += _local(p).numel() * p.element_size()
+        return total
+
+    def collectives_per_step(self) -> tuple[int, int]:
+        """``(calls, bytes)`` this rank issues in one ``step()``, for ``explain``: two ``all_to_all_single`` per
+        shard group with a trainable 2-D matrix; bytes are this rank's inputs to them (its gradient rows out,
+        its owned matrices' updates out, its own share included). From shapes alone: local, read-only."""
+        calls = nbytes = 0
+        for bucket in self._plan():
+            sg = bucket.shard_group
+            trained = [(p, o) for p, o in zip(bucket.params, bucket.owners) if p.requires_grad]
+            if sg.group is None or not trained:
+                continue
+            dtype = _common_dtype([p for p, _ in trained])
+            back = torch.bfloat16 if self.update_fn is None else dtype
+            calls += 2
+            for p, owner in trained:
+                nbytes += chunk_rows(p.shape[0], sg.size)[sg.rank] * p.shape[1] * dtype.itemsize
+                if owner == sg.rank:
+                    nbytes += p.numel() * back.itemsize
+        return calls, nbytes
+
     def state_dict(self) -> dict[str, Any]:
         """torch's format; each sharded matrix's momentum as a DTensor laid out like its parameter.
 
@@ -216,6 +245,14 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         for bucket in self._plan():
             if bucket.shard_group.group is None:
                 continue
+            for p in bucket.batches:  # each rank's rows already: laid out like the parameter, no collective
+                buf = self.state.get(p, {}).get(MOMENTUM)
+                if buf is not None:
+                    entry = dict(state_dict["state"][index[id(p)]])
+                    entry[MOMENTUM] = DTensor.from_local(
+                        buf.clone(), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+                    )
+                    state_dict["state"][index[id(p)]] = entry
             held = [(p, o) for p, o in zip(bucket.params, bucket.owners) if id(p) in self._has_momentum]
             shards = momentum_to_shards(bucket.shard_group, [p for p, _ in held], [o for _, o in held], self.state)
             for (p, _), shard in zip(held, shards):
@@ -244,6 +281,10 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         for bucket in self._plan():
             if bucket.shard_group.group is None:
                 continue
+            for p in bucket.batches:
+                entry = state.get(saved_index[id(p)], {})
+                if MOMENTUM in entry:
+                    entry[MOMENTUM] = _rows_like(entry[MOMENTUM], p)
             held = [(p, o) for p, o in zip(bucket.params, bucket.owners)
                     if MOMENTUM in state.get(saved_index[id(p)], {})]
             params = [p for p, _ in held]
@@ -284,6 +325,15 @@ def _ranks_of(sg: ShardGroup) -> tuple[int, ...] | None:
     return None if sg.group is None else tuple(dist.get_process_group_ranks(sg.group))
 
 
+def _rows_like(saved: Any, param: torch.Tensor) -> torch.Tensor:
+    """A 3-D batch's saved momentum (a DTensor, possibly laid out for another world size) as this rank's rows."""
+    if not isinstance(saved, DTensor) or tuple(saved.shape) != tuple(param.shape):
+        raise ValueError(f"momentum for a {tuple(param.shape)} batch of matrices must be a DTensor of its shape")
+    if saved.placements != param.placements or saved.device_mesh != param.device_mesh:
+        saved = saved.redistribute(param.device_mesh, param.placements)
+    return saved.to_local().clone()
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
@@ -301,19 +351,3 @@ def _apply(param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> 
     lr = group["lr"]
     local.mul_(1 - lr * group["weight_decay"])
     local.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], param.shape))
-
-
-def _check_hyperparameters(
-    lr: float, weight_decay: float, momentum: float, coefficients: tuple, steps: int, adjust_lr_fn: str | None
-) -> None:
-    if isinstance(lr, torch.Tensor):
-        raise ValueError("OwnerComputedMuon takes a float lr (a tensor lr is not supported yet)")
-    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum)):
-        if value < 0:
-            raise ValueError(f"{name} must be >= 0, got {value}")
-    if len(coefficients) != 3:
-        raise ValueError(f"ns_coefficients must be 3 numbers (a, b, c), got {coefficients}")
-    if not 0 < steps < 100:
-        raise ValueError(f"ns_steps must be in 1..99, got {steps}")
-    if adjust_lr_fn not in ADJUST_LR_FNS:
-        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")

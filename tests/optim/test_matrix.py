@@ -7,6 +7,10 @@ distance from the reference of two equivalent runs of torch.optim.Muon: one fed 
 by slice, one computing the model in fp64 (its gradients round to bf16 from other bits). A wrong answer
 (Newton-Schulz on each rank's rows) must land over 10x outside it, and also beyond twice the whole bf16
 error (the reference against Newton-Schulz in fp32).
+
+Under mixed precision (bf16 compute, fp32 reduction) the reference is the same unsharded torch.optim.Muon fed
+what that policy computes: each rank's slice through a bf16 copy of the fp32 weights, the bf16 gradients
+averaged in fp32 (the tolerance stays twice the measured bf16 noise of the iteration).
 """
 
 from __future__ import annotations
@@ -108,13 +112,28 @@ def _fp32_muon(params, lr: float, weight_decay: float) -> OwnerComputedMuon:
     return OwnerComputedMuon(params, lr=lr, weight_decay=weight_decay, update_fn=newton_schulz_fp32)
 
 
-def _shard(model: nn.Module, mesh) -> nn.Module:
-    from fsdp_compose import fully_shard
+def _shard(model: nn.Module, mesh, mixed_precision: bool = False) -> nn.Module:
+    from fsdp_compose import MixedPrecisionPolicy, fully_shard
 
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_precision else None
+    kwargs = {"mp_policy": policy} if policy else {}
     for layer in (model.down, model.up, model.mid, model.wide, model.head):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     return model
+
+
+def _bf16_compute_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor, world: int) -> None:
+    """What bf16 compute with fp32 reduction gives ``model`` (fp32 masters): each rank's slice through a bf16
+    copy, the bf16 gradients averaged in fp32."""
+    grads = [torch.zeros_like(p) for p in model.parameters()]
+    for xs, ys in zip(x.chunk(world), y.chunk(world)):
+        low = copy.deepcopy(model).bfloat16()
+        _loss(low, xs.bfloat16(), ys).backward()
+        for g, q in zip(grads, low.parameters()):
+            g += q.grad.float()
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g / world
 
 
 def _count_collectives(fn) -> tuple[dict[str, int], int]:
@@ -149,18 +168,18 @@ def _count_collectives(fn) -> tuple[dict[str, int], int]:
     return {k: v for k, v in counts.items() if v}, mode.get_total_counts()
 
 
-def _train(hsdp: bool) -> dict:
-    """Sharded (owner-computed and per-shard) against two unsharded torch.optim.Muon references."""
+def _train(hsdp: bool, mixed_precision: bool = False) -> dict:
+    """Sharded (owner-computed and per-shard) against unsharded torch.optim.Muon references."""
     from torch.distributed.device_mesh import init_device_mesh
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp else None
     torch.manual_seed(0)
     reference = MatrixNet()
-    resliced, exact, ours, wrong, wide = (copy.deepcopy(reference) for _ in range(5))
+    resliced, exact, ours, wrong, wide, low = (copy.deepcopy(reference) for _ in range(6))
     wide.double()
-    _shard(ours, mesh)
-    _shard(wrong, mesh)
+    _shard(ours, mesh, mixed_precision)
+    _shard(wrong, mesh, mixed_precision)
     runs = {
         "reference": (reference, _optimizers(reference, torch.optim.Muon)),
         "resliced": (resliced, _optimizers(resliced, torch.optim.Muon)),
@@ -169,6 +188,9 @@ def _train(hsdp: bool) -> dict:
         "ours": (ours, _optimizers(ours, OwnerComputedMuon)),
         "wrong": (wrong, _optimizers(wrong, PerShardMuon)),
     }
+    if mixed_precision:  # ours and wrong compute in bf16: compared with the reference fed bf16 gradients
+        runs["bf16 reference"] = (low, _optimizers(low, torch.optim.Muon))
+    target = low if mixed_precision else reference
     counts = None
     for step in range(STEPS):
         x, y = _batch(step, world)
@@ -180,6 +202,8 @@ def _train(hsdp: bool) -> dict:
         mine = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
         for name in ("ours", "wrong"):
             _loss(runs[name][0], x[mine], y[mine]).backward()
+        if mixed_precision:
+            _bf16_compute_grads(low, x, y, world)
         for name, (_, optimizers) in runs.items():
             if name == "ours" and step == 1:
                 counts = _count_collectives(lambda opts=optimizers: opts[0].step())
@@ -189,10 +213,11 @@ def _train(hsdp: bool) -> dict:
                 _step(optimizers)
     muon = runs["ours"][1][0]
     return {
-        "diff": _param_diff(ours, reference),
+        "diff": _param_diff(ours, target),
         "noise": max(_param_diff(resliced, reference), _param_diff(wide, reference)),
         "bf16_error": _param_diff(exact, reference),
-        "wrong": _param_diff(wrong, reference),
+        "wrong": _param_diff(wrong, target),
+        "policy_effect": _param_diff(low, reference) if mixed_precision else None,  # bf16 compute vs fp32
         "counts": counts,
         "momentum_held": [bool(muon.state[p].get("momentum_buffer") is not None) for p in _matrices(ours)],
         "momentum_shapes": [tuple(muon.state[p]["momentum_buffer"].shape) for p in _matrices(ours) if muon.state[p]],
@@ -205,44 +230,49 @@ def _param_diff(model: nn.Module, reference: nn.Module) -> float:
 
 
 @functools.cache
-def _results(world: int, hsdp: bool = False) -> list[dict]:
-    return run_on_ranks(world, _train, hsdp)
+def _results(world: int, hsdp: bool = False, mixed_precision: bool = False) -> list[dict]:
+    return run_on_ranks(world, _train, hsdp, mixed_precision)
 
 
 def _tolerance(results: list[dict]) -> float:
     return NOISE_FACTOR * max(r["noise"] for r in results)
 
 
-CASES = [pytest.param(2, False, id="2-ranks"), pytest.param(3, False, id="3-ranks-uneven"),
-         pytest.param(4, True, id="hsdp-2x2")]
+# every shape is odd (uneven shards at any world size); the 2-row head leaves ranks 2 and 3 without rows
+CASES = [pytest.param(2, False, False, id="2-ranks"), pytest.param(3, False, False, id="3-ranks-uneven"),
+         pytest.param(4, False, False, id="4-ranks-uneven"), pytest.param(4, True, False, id="hsdp-2x2"),
+         pytest.param(2, False, True, id="2-ranks-bf16-mixed-precision"),
+         pytest.param(3, False, True, id="3-ranks-bf16-mixed-precision")]
 
 
-@pytest.mark.parametrize(("world", "hsdp"), CASES)
-def test_matches_unsharded_torch_muon_within_bf16_noise(world: int, hsdp: bool) -> None:
-    results = _results(world, hsdp)
+@pytest.mark.parametrize(("world", "hsdp", "mixed_precision"), CASES)
+def test_matches_unsharded_torch_muon_within_bf16_noise(world: int, hsdp: bool, mixed_precision: bool) -> None:
+    results = _results(world, hsdp, mixed_precision)
     tol = _tolerance(results)
     for rank, r in enumerate(results):
         assert r["diff"] <= tol, (rank, r["diff"], tol, r["noise"])
+        if mixed_precision:  # the policy changes the numbers: matching the fp32 reference instead would fail
+            assert r["policy_effect"] > 10 * tol, (rank, r["policy_effect"], tol)
 
 
-@pytest.mark.parametrize(("world", "hsdp"), CASES)
-def test_newton_schulz_per_shard_falls_outside_the_tolerance(world: int, hsdp: bool) -> None:
-    results = _results(world, hsdp)
+@pytest.mark.parametrize(("world", "hsdp", "mixed_precision"), CASES)
+def test_newton_schulz_per_shard_falls_outside_the_tolerance(world: int, hsdp: bool, mixed_precision: bool) -> None:
+    results = _results(world, hsdp, mixed_precision)
     tol = _tolerance(results)
     assert all(r["wrong"] > 10 * tol for r in results), ([r["wrong"] for r in results], tol)
     assert all(r["wrong"] > 2 * r["bf16_error"] for r in results), [(r["wrong"], r["bf16_error"]) for r in results]
 
 
-@pytest.mark.parametrize(("world", "hsdp"), CASES)
-def test_one_step_is_two_all_to_alls_per_shard_group(world: int, hsdp: bool) -> None:
-    for calls, c10d_ops in (r["counts"] for r in _results(world, hsdp)):
+@pytest.mark.parametrize(("world", "hsdp", "mixed_precision"), CASES)
+def test_one_step_is_two_all_to_alls_per_shard_group(world: int, hsdp: bool, mixed_precision: bool) -> None:
+    for calls, c10d_ops in (r["counts"] for r in _results(world, hsdp, mixed_precision)):
         assert calls == {"all_to_all_single": 2}, calls
         assert c10d_ops == 2, c10d_ops  # nothing else (no DTensor redistribution) reached c10d
 
 
-@pytest.mark.parametrize(("world", "hsdp"), CASES)
-def test_only_the_owner_holds_a_matrix_momentum(world: int, hsdp: bool) -> None:
-    results = _results(world, hsdp)
+@pytest.mark.parametrize(("world", "hsdp", "mixed_precision"), CASES)
+def test_only_the_owner_holds_a_matrix_momentum(world: int, hsdp: bool, mixed_precision: bool) -> None:
+    results = _results(world, hsdp, mixed_precision)
     shapes = [(MID, IN), (IN, MID), (MID, IN), (OUT, MID), (2, OUT)]
     size = 2 if hsdp else world
     owners = assign_owners([r * c for r, c in shapes], size)
@@ -368,8 +398,9 @@ def _train_accumulate_clip_freeze() -> dict:
     }
 
 
-def test_accumulation_clipping_and_frozen_matrices_match_torch_muon() -> None:
-    results = run_on_ranks(2, _train_accumulate_clip_freeze)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_accumulation_clipping_and_frozen_matrices_match_torch_muon(world: int) -> None:
+    results = run_on_ranks(world, _train_accumulate_clip_freeze)
     tol = _tolerance(results)
     for rank, r in enumerate(results):
         assert min(r["clipped"]) > MAX_NORM, (rank, r["clipped"])  # the clip scaled every step, on every run

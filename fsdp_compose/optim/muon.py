@@ -1,0 +1,81 @@
+"""Muon's math on one whole matrix (or a batch of them), as ``torch.optim.Muon`` computes it.
+
+Kept apart from the owner-computed machinery (``matrix.py``) so the update can be read, and tested bit for
+bit against torch's, on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+MUON_COEFFICIENTS = (3.4445, -4.775, 2.0315)
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+
+
+def newton_schulz(
+    matrix: torch.Tensor,
+    coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
+    steps: int = 5,
+    eps: float = 1e-7,
+) -> torch.Tensor:
+    """Approximate orthogonalization ``U V^T`` of ``matrix`` by a quintic Newton-Schulz iteration in bf16.
+
+    Works on the wide orientation (fewer rows than columns) so the Gram matrix is the small one. A 3-D
+    ``(E, m, n)`` input is a batch of ``E`` matrices, each iterated on its own with the same 2-D kernels, so
+    each equals ``torch.optim.Muon``'s update of that matrix bit for bit (``baddbmm`` rounds differently).
+    """
+    if matrix.ndim == 3:
+        out = torch.empty(matrix.shape, dtype=torch.bfloat16, device=matrix.device)
+        for i, one in enumerate(matrix):
+            out[i] = newton_schulz(one, coefficients, steps, eps)
+        return out
+    a, b, c = coefficients
+    tall = matrix.size(0) > matrix.size(1)
+    x = matrix.bfloat16()
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G^2
+        x = torch.addmm(x, poly, x, beta=a)  # a*X + (b*G + c*G^2) X
+    return x.T if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """Muon's per-shape learning rate, so rectangular matrices get updates of comparable RMS (per matrix of a batch)."""
+    rows, cols = shape[-2], shape[-1]
+    if adjust_lr_fn in (None, "original"):
+        return lr * math.sqrt(max(1.0, rows / cols))
+    return lr * 0.2 * math.sqrt(max(rows, cols))  # "match_rms_adamw": RMS like AdamW's
+
+
+def muon_momentum(grad: torch.Tensor, state: dict[str, Any], momentum: float, nesterov: bool) -> torch.Tensor:
+    """The matrix Muon orthogonalizes: the momentum buffer, or its Nesterov look-ahead; the gradient at momentum 0."""
+    if momentum == 0:
+        return grad
+    buf = state.get("momentum_buffer")
+    if buf is None:
+        buf = state["momentum_buffer"] = torch.zeros_like(grad)
+    buf.lerp_(grad, 1 - momentum)
+    return grad.lerp(buf, momentum) if nesterov else buf
+
+
+def check_hyperparameters(
+    lr: float, weight_decay: float, momentum: float, coefficients: tuple, steps: int, adjust_lr_fn: str | None
+) -> None:
+    """Refuse at construction what ``torch.optim.Muon`` refuses, and a tensor lr, before any step runs."""
+    if isinstance(lr, torch.Tensor):
+        raise ValueError("OwnerComputedMuon takes a float lr (a tensor lr is not supported yet)")
+    for name, value in (("lr", lr), ("weight_decay", weight_decay), ("momentum", momentum)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
+    if len(coefficients) != 3:
+        raise ValueError(f"ns_coefficients must be 3 numbers (a, b, c), got {coefficients}")
+    if not 0 < steps < 100:
+        raise ValueError(f"ns_steps must be in 1..99, got {steps}")
+    if adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
