@@ -12,7 +12,7 @@ round by round so drift in machine load hits all three alike: torch's FSDP2
 rank's batch, no communication). Peak memory is each rank's peak RSS during the steps above
 its RSS before the model existed (glibc's mmap threshold is pinned so freed tensors leave RSS),
 and, independent of the allocator, the peak live tensor bytes of one further step counted by
-storage (``fsdp_compose.observe.storage.StorageTracker``: parameters, optimizer state,
+storage (``fsdp_compose.extras.observe.storage.StorageTracker``: parameters, optimizer state,
 gradients, activations and communication buffers, resizes included).
 """
 
@@ -42,7 +42,7 @@ import fsdp_compose_shm as shm_transport  # noqa: E402
 from benchmarks.bench_model import CONFIG, bf16_compute, bf16_policy, shard  # noqa: E402
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
 from fsdp_compose.comm import TRANSPORT_ENV  # noqa: E402
-from fsdp_compose.observe.storage import StorageTracker  # noqa: E402
+from fsdp_compose.extras.observe.storage import StorageTracker  # noqa: E402
 from fsdp_compose_shm import segment_bytes  # noqa: E402
 
 OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved

@@ -27,7 +27,7 @@ from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
 
 from benchmarks.bench_model import CONFIG, bf16_policy, shard  # noqa: E402
 from benchmarks.common import spawn_ranks  # noqa: E402
-from fsdp_compose.observe.storage import StorageTracker  # noqa: E402
+from fsdp_compose.extras.observe.storage import StorageTracker  # noqa: E402
 
 _OURS = os.sep + "fsdp_compose" + os.sep
 _SKIP = (os.path.join("fsdp_compose", "observe"), "torch" + os.sep + "utils" + os.sep + "_python_dispatch")

@@ -8,7 +8,11 @@ Beyond FSDP2: ``explain(model)`` prints the sharding plan with its traffic and p
 ``estimate(build, world_size=N)`` answers "will it fit?" before a launch, running one training
 step of ``build``'s model as one of ``N`` ranks on fake tensors in a subprocess and reporting the
 per-rank peak memory by category (activations included) and the collectives per step.
+Those, checkpoints and the quantized all-gather live in ``extras/``; this module names them in
+``_EXTRAS`` and imports one only when it is first used (PEP 562), so the core imports no extra.
 """
+
+import importlib
 
 from .api import fully_shard
 from .comm import AllGather, Comm, ReduceScatter
@@ -16,21 +20,43 @@ from .forward_methods import register_fsdp_forward_method
 from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .module_settings import share_comm_ctx
-from .observe.estimate import Estimate, estimate
-from .observe.explain import Explanation, collective_bytes, explain
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .quantize import quantize_all_gather
 from .runtime.c10d_direct import CollectiveError
 from .runtime.handshake import ExecutionOrderError
 from .runtime.placement import ShardPlacementResult
 from .spmd_mesh import DataParallelMeshDims
-from .whole_model.checkpoint import exists as checkpoint_exists
-from .whole_model.checkpoint import load_checkpoint, save_checkpoint
-from .whole_model.checkpoint_check import CheckpointError
 from .whole_model.clip import clip_grad_norm_
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params
 from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
+
+# public name -> (module of the extras, its name there)
+_EXTRAS = {
+    "explain": ("fsdp_compose.extras.observe.explain", "explain"),
+    "Explanation": ("fsdp_compose.extras.observe.explain", "Explanation"),
+    "collective_bytes": ("fsdp_compose.extras.observe.explain", "collective_bytes"),
+    "estimate": ("fsdp_compose.extras.observe.estimate", "estimate"),
+    "Estimate": ("fsdp_compose.extras.observe.estimate", "Estimate"),
+    "save_checkpoint": ("fsdp_compose.extras.checkpoint", "save_checkpoint"),
+    "load_checkpoint": ("fsdp_compose.extras.checkpoint", "load_checkpoint"),
+    "checkpoint_exists": ("fsdp_compose.extras.checkpoint", "exists"),
+    "CheckpointError": ("fsdp_compose.extras.checkpoint_check", "CheckpointError"),
+    "quantize_all_gather": ("fsdp_compose.extras.quantize", "quantize_all_gather"),
+}
+
+
+def __getattr__(name: str) -> object:
+    """An extra's public name, imported at its first use and kept."""
+    if name not in _EXTRAS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attribute = _EXTRAS[name]
+    value = globals()[name] = getattr(importlib.import_module(module), attribute)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXTRAS})
+
 
 __all__ = [
     "fully_shard",

@@ -10,7 +10,8 @@ describes set-up, segments, chunks, growth, a full ``/dev/shm`` and the errors.
 It is a package of its own, beside ``fsdp_compose``, because it is CPU-only machinery a job opts
 into: ``fsdp_compose.comm.default_comms`` imports it by name, only under
 ``FSDP_COMPOSE_TRANSPORT=shm``, and gives its ``comms()`` to the groups; the core sees nothing but
-``Comm``-protocol objects and never imports this package.
+``Comm``-protocol objects and never imports this package, which uses only ``fsdp_compose``'s public names
+and ``fsdp_compose.views``.
 
 Each rank owns one segment in two halves; collective ``n`` on a group uses half ``n % 2``. A rank
 copies its contribution into its half, then a *sync* (a tiny gloo all-gather of ``[magic, kind,
@@ -37,16 +38,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.comm import TRANSPORT_ENV, AllGather, ReduceScatter
-from fsdp_compose.runtime import c10d_direct as direct
-from fsdp_compose.runtime.handshake import (
-    ALL_GATHER,
-    KINDS,
-    MAGIC,
-    REDUCE_SCATTER,
-    ExecutionOrderError,
-    diverged_message,
-)
+from fsdp_compose import AllGather, ExecutionOrderError, ReduceScatter, views
+from fsdp_compose.views import ALL_GATHER, KINDS, MAGIC, REDUCE_SCATTER, TRANSPORT_ENV, diverged_message
 
 CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
 DEFAULT_CHUNK = 8 << 20
@@ -201,10 +194,10 @@ class ShmTransport:
     def _gather(self, rows: torch.Tensor, mine: torch.Tensor, kind: int) -> None:
         counters.syncs += 1
         try:
-            with direct.python_free_tls():
-                work = getattr(self.group, direct.GATHER_METHOD)(rows, mine, direct.ASYNC_ALL_GATHER)
+            with views.python_free_tls():
+                work = getattr(self.group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
             if work is not None:
-                direct.wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
+                views.wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
             self._abandon()
             raise
@@ -249,7 +242,7 @@ class ShmTransport:
             if region is not None:
                 region.copy_(by_byte[self.rank, start : start + size])
             if not self._sync(ALL_GATHER, nbytes, region is not None):  # a rank had no room: over gloo
-                return direct.DIRECT_ALL_GATHER(output, mine, self.group, async_op)
+                return views.DIRECT_ALL_GATHER(output, mine, self.group, async_op)
             for rank, peer in enumerate(self.peers):
                 if rank != self.rank:
                     by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
@@ -271,7 +264,7 @@ class ShmTransport:
             if region is not None:
                 region.view(dtype).view(self.world, end - start).copy_(table[:, start:end])
             if not self._sync(REDUCE_SCATTER, nbytes, region is not None):  # only at the first block
-                return direct.DIRECT_REDUCE_SCATTER(output, input, self.group, async_op=async_op)
+                return views.DIRECT_REDUCE_SCATTER(output, input, self.group, async_op=async_op)
             index = self.calls % 2
             parts = [p.region(index, size).view(dtype).view(self.world, end - start)[self.rank] for p in self.peers]
             torch.add(parts[0], parts[1], out=output[start:end])
@@ -284,10 +277,10 @@ class ShmTransport:
 
 def _completed(async_op: bool):
     """The protocol's return value for a collective that is done: a completed work, or ``None``."""
-    return direct.COMPLETED if async_op else None
+    return views.COMPLETED if async_op else None
 
 
-class ShmAllGather(direct.DirectAllGather):
+class ShmAllGather(views.DirectAllGather):
     """All-gather through ``/dev/shm`` where the process group allows it, else the process group's own."""
 
     __slots__ = ()
@@ -299,7 +292,7 @@ class ShmAllGather(direct.DirectAllGather):
         return transport.all_gather(output_tensor, input_tensor, async_op)
 
 
-class ShmReduceScatter(direct.DirectReduceScatter):
+class ShmReduceScatter(views.DirectReduceScatter):
     """Sum reduce-scatter through ``/dev/shm`` where the process group allows it, else the process group's own."""
 
     __slots__ = ()
@@ -349,10 +342,10 @@ def _set_up(group) -> ShmTransport | None:
         dtype=torch.int64,
     )
     rows = mine.new_empty(group.size() * 5)
-    with direct.python_free_tls():
-        work = getattr(group, direct.GATHER_METHOD)(rows, mine, direct.ASYNC_ALL_GATHER)
+    with views.python_free_tls():
+        work = getattr(group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
     if work is not None:
-        direct.wait_named(work, f"the shm transport's set-up over ranks {dist.get_process_group_ranks(group)}")
+        views.wait_named(work, f"the shm transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()
     counters.set_ups += 1
     if all(row[1] == table[0][1] and row[3] == 1 for row in table):

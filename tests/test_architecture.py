@@ -1,10 +1,13 @@
-"""docs/architecture.md's layer table states the package's real import order.
+"""docs/architecture.md's rings and layer table state the package's real import order.
 
-The table lists every file of ``fsdp_compose/`` in one row, rows from the top layer down; a file may
-import files of its own row and of the rows below it. The imports are read with ``ast`` (relative ones
-resolved; function-level and ``TYPE_CHECKING`` imports count), so the check runs no code and no process.
-A package's ``__init__.py``, which Python runs before any module under it, counts only for what it imports
-itself and for explicit imports of the package.
+Two rings: the core (``fsdp_compose/`` but ``extras/`` and ``optim/``) imports no extra, and names none in its code
+but in ``__init__.py``'s table of lazily resolved public names; the extras (``fsdp_compose/extras/``, ``optim/``
+and the ``fsdp_compose_shm`` package) import of the core only ``fsdp_compose``'s public names and
+``fsdp_compose.views``. Within the package, the layer table lists every file in one row, rows from the top
+layer down; a file may import files of its own row and of the rows below it. The imports are read with ``ast``
+(relative ones resolved; function-level and ``TYPE_CHECKING`` imports count), so the check runs no code and no
+process. A package's ``__init__.py``, which Python runs before any module under it, counts only for what it
+imports itself and for explicit imports of the package.
 """
 
 from __future__ import annotations
@@ -22,6 +25,21 @@ TABLE_HEADER = "| layer | files | knows about |"
 
 # Imports that go up the table on purpose: (importing file, imported file) -> why. Empty: none do.
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+# the extras ring: folders of fsdp_compose/ (optim/ imports nothing of ours), and packages beside it
+EXTRA_FOLDERS = ("extras/", "optim/")
+EXTRA_PACKAGES = (REPO / "fsdp_compose_shm",)
+EXTRA_MODULE_PREFIXES = ("fsdp_compose.extras", "fsdp_compose.optim", "fsdp_compose_shm")
+VIEWS = "views.py"  # the one core module the extras may import besides the package's public names
+# core files whose code names an extra by string, on purpose: (file, extra's module) -> why
+NAMED_BY_STRING: dict[tuple[str, str], str] = {
+    ("__init__.py", "fsdp_compose.extras.observe.explain"): "explain, Explanation, collective_bytes: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.observe.estimate"): "estimate, Estimate: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.checkpoint"): "save_checkpoint, load_checkpoint, ...: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.checkpoint_check"): "CheckpointError: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.quantize"): "quantize_all_gather: lazy re-export",
+    ("comm.py", "fsdp_compose_shm"): "FSDP_COMPOSE_TRANSPORT=shm loads the transport by name (docs/cpu-transport.md)",
+}
 
 
 @dataclass(frozen=True)
@@ -136,6 +154,136 @@ def layering_problems(
     return problems
 
 
+def is_extra(file: str) -> bool:
+    return file.startswith(EXTRA_FOLDERS)
+
+
+def _code_strings(tree: ast.AST) -> set[str]:
+    """String constants of the tree's code, docstrings left out."""
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                docstrings.add(id(first.value))
+    return {
+        node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    }
+
+
+def _names_from_package(tree: ast.AST, package: str) -> set[str]:
+    """The names ``from fsdp_compose import ...`` (absolute, or relative resolving to it) takes."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join((parts[: len(parts) - node.level + 1] if node.level else []) + [node.module or ""])
+            if base.strip(".") == "fsdp_compose":
+                names |= {alias.name for alias in node.names}
+    return names
+
+
+def public_names() -> set[str]:
+    """``fsdp_compose.__all__``, read from the source."""
+    for node in ast.parse((PACKAGE / "__init__.py").read_text()).body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    raise AssertionError("fsdp_compose/__init__.py has no __all__")
+
+
+def ring_problems(
+    imports: dict[str, set[str]],
+    strings: dict[str, set[str]],
+    taken: dict[str, set[str]],
+    public: set[str],
+    named_by_string: dict[tuple[str, str], str],
+) -> list[str]:
+    """Every way the two rings break their rule, one line each.
+
+    ``imports``: file -> package files it imports; ``strings``: core file -> its code's strings; ``taken``: extra
+    -> the names it takes from ``fsdp_compose`` itself. Files outside fsdp_compose/ are named from the repository.
+    """
+    def label(file: str) -> str:
+        return file if file.startswith(tuple(p.name + "/" for p in EXTRA_PACKAGES)) else f"fsdp_compose/{file}"
+
+    problems = []
+    for file in sorted(imports):
+        for target in sorted(imports[file]):
+            if not is_extra(file) and is_extra(target) and file in strings:
+                problems.append(f"core file {label(file)} imports the extra {label(target)}")
+            elif file not in strings and not is_extra(target) and target not in ("__init__.py", VIEWS):
+                problems.append(f"extra {label(file)} imports {label(target)}, which is neither public nor a view")
+    named = set()
+    for file in sorted(strings):
+        for text in sorted(strings[file]):
+            if text.startswith(EXTRA_MODULE_PREFIXES):
+                named.add((file, text))
+                if (file, text) not in named_by_string:
+                    problems.append(f"core file {label(file)} names the extra {text!r}")
+    problems += [
+        f"NAMED_BY_STRING lists fsdp_compose/{file} -> {text!r}, which that file does not name"
+        for file, text in sorted(named_by_string.keys() - named)
+    ]
+    for file in sorted(taken):
+        problems += [
+            f"extra {label(file)} takes {name!r} from fsdp_compose, which is not in its __all__"
+            for name in sorted(taken[file] - public - {"views"})
+        ]
+    return problems
+
+
+def ring_inputs() -> tuple[dict[str, set[str]], dict[str, set[str]], dict[str, set[str]]]:
+    """``ring_problems``' inputs from the sources: the package's files and the extra packages beside it."""
+    modules = _module_files()
+    imports, strings, taken = package_imports(), {}, {}
+    for module, relative in modules.items():
+        tree = ast.parse((PACKAGE / relative).read_text())
+        package = module if relative.endswith("__init__.py") else module.rpartition(".")[0]
+        if is_extra(relative):
+            taken[relative] = _names_from_package(tree, package)
+        else:
+            strings[relative] = _code_strings(tree)
+    for root in EXTRA_PACKAGES:
+        for path in sorted(root.rglob("*.py")):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            package = ".".join(parts if parts[-1] == "__init__" else parts[:-1]).removesuffix(".__init__")
+            tree = ast.parse(path.read_text())
+            name = path.relative_to(REPO).as_posix()
+            imports[name] = {modules[m] for m in _imported_modules(tree, package, set(modules))}
+            taken[name] = _names_from_package(tree, package)
+    return imports, strings, taken
+
+
+def test_core_imports_no_extra_and_extras_only_public_names_and_views():
+    imports, strings, taken = ring_inputs()
+    assert any(name.startswith("fsdp_compose_shm/") for name in imports), "the shm package was not read"
+    problems = ring_problems(imports, strings, taken, public_names(), NAMED_BY_STRING)
+    assert not problems, "the rings of docs/architecture.md are broken:\n" + "\n".join(problems)
+
+
+def test_ring_problems_are_reported():
+    imports = {
+        "api.py": {"extras/quantize.py", "runtime/state.py"},
+        "extras/quantize.py": {"views.py", "runtime/state.py", "__init__.py"},
+        "fsdp_compose_shm/__init__.py": {"runtime/handshake.py"},
+    }
+    strings = {"api.py": {"fsdp_compose.extras.observe", "fine"}, "runtime/state.py": set()}
+    taken = {"extras/quantize.py": {"fully_shard", "views", "state_of"}}
+    named = {("comm.py", "fsdp_compose_shm"): "a stale entry"}
+    assert_expected_inline(
+        "\n".join(ring_problems(imports, strings, taken, {"fully_shard"}, named)),
+        """\
+core file fsdp_compose/api.py imports the extra fsdp_compose/extras/quantize.py
+extra fsdp_compose/extras/quantize.py imports fsdp_compose/runtime/state.py, which is neither public nor a view
+extra fsdp_compose_shm/__init__.py imports fsdp_compose/runtime/handshake.py, which is neither public nor a view
+core file fsdp_compose/api.py names the extra 'fsdp_compose.extras.observe'
+NAMED_BY_STRING lists fsdp_compose/comm.py -> 'fsdp_compose_shm', which that file does not name
+extra fsdp_compose/extras/quantize.py takes 'state_of' from fsdp_compose, which is not in its __all__""",
+    )
+
+
 def test_layer_table_matches_imports():
     layers = parse_layers(DOC.read_text())
     assert len(layers) >= 5, f"expected the layer table under {TABLE_HEADER!r} in {DOC}, parsed {layers}"
@@ -150,9 +298,10 @@ def test_imports_are_read_from_every_kind_of_import_statement():
     imports = package_imports()
     guarded = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .group import ParamGroup\n")
     assert _imported_modules(guarded, "fsdp_compose.runtime", set(_module_files())) == {"fsdp_compose.runtime.group"}
-    assert "whole_model/checkpoint_integrity.py" in imports["whole_model/checkpoint.py"]  # from . import ... as
-    assert "whole_model/__init__.py" not in imports["whole_model/checkpoint.py"]
-    assert "observe/memory.py" in imports["observe/explain.py"]  # from . import memory, plan
+    assert "extras/checkpoint_integrity.py" in imports["extras/checkpoint.py"]  # from . import ... as
+    assert "extras/__init__.py" not in imports["extras/checkpoint.py"]
+    assert "extras/observe/memory.py" in imports["extras/observe/explain.py"]  # from . import memory, plan
+    assert "views.py" in imports["extras/observe/explain.py"]  # from ...views import
     assert "api.py" in imports["__init__.py"]
 
 

@@ -1,6 +1,6 @@
 """500 small training steps at ws 2 keep live tensor bytes flat (issue 12, item 6).
 
-The storage tracker that checks explain()'s prediction (fsdp_compose.observe.storage) follows every storage created while training;
+The storage tracker that checks explain()'s prediction (fsdp_compose.extras.observe.storage) follows every storage created while training;
 after warm-up (optimizer state exists from step 1) the live bytes measured after each step
 must not grow. No timing is involved.
 """
@@ -10,7 +10,7 @@ import gc
 import torch
 import torch.distributed as dist
 
-from fsdp_compose.observe.storage import StorageTracker
+from fsdp_compose.extras.observe.storage import StorageTracker
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
 

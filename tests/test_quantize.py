@@ -246,8 +246,8 @@ def test_refresh_in_place_matches_and_holds_no_fp32_copy_of_the_weight(dtype):
     as the first unshard's fresh tensor, without an fp32 copy of the whole weight (the backward's
     re-gathers happen at the activation peak; that copy put the quantized run's peak above the
     unquantized one's in benchmarks/bench_step.py --quantized)."""
-    from fsdp_compose.observe.storage import StorageTracker
-    from fsdp_compose.runtime.quantized_gather import BlockQuantized
+    from fsdp_compose.extras.observe.storage import StorageTracker
+    from fsdp_compose.extras.quantized_gather import BlockQuantized
 
     torch.manual_seed(0)
     ranks, weight = 3, torch.randn(1000, 300)  # 334 rows per rank: the last rank holds 2 padding rows
@@ -274,7 +274,7 @@ def test_requantizing_the_dequantized_weight_gives_the_bytes_sent(dtype, param_d
     """The gathered 1-byte values are freed once dequantized; a reshard_after_forward=<int> slice cut
     later gets them back from the weight: exactly, since bf16's rounding of a dequantized value
     (2**-9 relative) is far inside half a quantization step."""
-    from fsdp_compose.runtime.quantized_gather import BlockQuantized
+    from fsdp_compose.extras.quantized_gather import BlockQuantized
 
     torch.manual_seed(0)
     ranks, weight = 3, torch.randn(1000, 300) * torch.logspace(-8, 2, 1000).unsqueeze(1)  # 334 rows per rank
@@ -313,7 +313,7 @@ def _peak_live_bytes(quantized: bool, batch: int = 4, seq: int = 32) -> int:
     """Tracked live bytes at a step's peak above what the step starts with (bf16 mixed precision)."""
     import torch.distributed as dist
 
-    from fsdp_compose.observe.storage import StorageTracker
+    from fsdp_compose.extras.observe.storage import StorageTracker
 
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     torch.manual_seed(0)

@@ -4,6 +4,8 @@ keyword. A torch release that adds or changes one fails here, listing the differ
 
 import dataclasses
 import inspect
+import subprocess
+import sys
 
 import torch.distributed.fsdp as torch_fsdp
 import torch.distributed.fsdp._fully_shard as torch_fsdp2
@@ -106,3 +108,17 @@ def test_comm_protocols_match_torchs():
         for method in ("allocate", "__call__"):
             if hasattr(theirs, method) and method in vars(theirs):
                 assert _shape(getattr(ours, method)) == _shape(getattr(theirs, method)), (name, method)
+
+
+def test_extras_load_at_first_use():
+    """``import fsdp_compose`` loads no extra (the core imports none); their public names resolve when first used."""
+    check = (
+        "import sys, fsdp_compose\n"
+        "assert not [m for m in sys.modules if m.startswith('fsdp_compose.extras')], 'an extra was imported'\n"
+        "from fsdp_compose import explain, save_checkpoint\n"
+        "assert explain.__module__ == 'fsdp_compose.extras.observe.explain', explain.__module__\n"
+        "assert set(fsdp_compose.__all__) <= set(dir(fsdp_compose))\n"
+        "assert all(getattr(fsdp_compose, name) is not None for name in fsdp_compose.__all__)\n"
+    )
+    subprocess.run([sys.executable, "-c", check], check=True)
+

@@ -19,6 +19,19 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
+CODEC_ATTR = "_fsdp_compose_wire"
+
+
+def set_gather_codec(param: torch.Tensor, codec: Any) -> None:
+    """Send ``param`` through ``codec`` in place of its shard's own bytes (before ``fully_shard``): the one entry
+    for a codec of this protocol (the quantize extra's ``BlockQuantized``). A codec has the protocol's ``pre`` and
+    ``post`` (taking the shard first), ``rebuilds(param_dtype)`` and ``requantize_into(data, scales, weight, meta)``."""
+    setattr(param, CODEC_ATTR, codec)
+
+
+def gather_codec_of(param: torch.Tensor) -> Any | None:
+    """The codec ``set_gather_codec`` gave ``param`` (an attribute: see ``register_owner``), else ``None``."""
+    return getattr(param, CODEC_ATTR, None)
 
 
 def has_protocol(tensor: torch.Tensor, where: str) -> bool:
@@ -72,7 +85,7 @@ class GatherExtension:
         codec=None,
     ) -> None:
         self.source = source
-        # a codec (``quantized_gather.BlockQuantized``) in place of the shard's own methods
+        # a codec (``set_gather_codec``) in place of the shard's own methods
         self.codec = codec
         self.fqn = fqn
         # what pre-all-gather is called with: the shard mesh (1-D, as FSDP2 passes it), and in the five-argument

@@ -18,13 +18,13 @@ from torch.distributed.tensor.placement_types import Placement
 from .extensions import (
     GatherExtension,
     check_subclass,
+    gather_codec_of,
     has_protocol,
     is_wrapper_subclass,
     refuse_without_protocol,
     shard_subclass,
 )
 from .param_layout import ParamLayout, ParamPlace, alias, contiguous_strides, spmd_layout
-from .quantized_gather import BlockQuantized, wire_format_of
 
 
 class ShardedParam:
@@ -90,8 +90,8 @@ class ShardedParam:
         self.comm_local_shape = torch.Size((self.local_rows, *others))
         self.comm_local_strides = contiguous_strides(self.comm_local_shape)
         self.mp_policy = mp_policy  # passed to the all-gather extension protocol's five-argument form
-        # a quantized wire format chosen by ``quantize_all_gather`` (sent through the same protocol)
-        self.wire: BlockQuantized | None = wire_format_of(param)
+        # a codec from ``set_gather_codec`` (the quantize extra's wire format), sent through the same protocol
+        self.wire = gather_codec_of(param)
         check_subclass(source, fqn, self.tp_spec is not None, shard_dim, self.wire is not None)
         local = self.shard_of(param)
         self.sharded_param = nn.Parameter(

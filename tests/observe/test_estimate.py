@@ -13,9 +13,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from fsdp_compose import estimate
-from fsdp_compose.observe.estimate import CATEGORIES, estimate_many
-from fsdp_compose.observe.fake_step import traffic
-from fsdp_compose.observe.storage import StorageTracker
+from fsdp_compose.extras.observe.estimate import CATEGORIES, estimate_many
+from fsdp_compose.extras.observe.fake_step import traffic
+from fsdp_compose.extras.observe.storage import StorageTracker
 from tests.harness import run_on_ranks
 from tests.observe.estimate_jobs import JOBS, LM, fake_built, fp32
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from fsdp_compose import explain
-from fsdp_compose.observe.storage import StorageTracker
+from fsdp_compose.extras.observe.storage import StorageTracker
 from tests.harness import run_on_ranks
 from tests.observe.configs import build, counted_bytes
 

@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from fsdp_compose.observe.storage import StorageTracker
+from fsdp_compose.extras.observe.storage import StorageTracker
 
 
 def test_allocations_views_and_frees_count_their_bytes():

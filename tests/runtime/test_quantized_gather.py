@@ -11,8 +11,8 @@ import math
 import pytest
 import torch
 
-from fsdp_compose.runtime import quantized_gather
-from fsdp_compose.runtime.quantized_gather import BlockQuantized
+from fsdp_compose.extras import quantized_gather
+from fsdp_compose.extras.quantized_gather import BlockQuantized
 
 
 def _wire(codec: BlockQuantized, world: int, per_rank_shape: torch.Size, seed: int):

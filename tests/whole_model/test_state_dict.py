@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import full_state_dict, fully_shard, load_full_state_dict
-from fsdp_compose.observe.storage import StorageTracker
+from fsdp_compose.extras.observe.storage import StorageTracker
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, max_abs_diff, shard_blocks_then_root
 

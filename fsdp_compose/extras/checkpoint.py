@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..views import reshard_idle
 from . import checkpoint_integrity as integrity
 from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
 from .checkpoint_safety import SafeLoadPlanner, SafeReader, load_plain, not_plain
-from .model_groups import reshard_idle
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:

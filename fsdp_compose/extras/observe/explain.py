@@ -15,8 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..runtime.schedule import backward_prefetch_targets, forward_prefetch_targets
-from ..runtime.state import GroupState, state_of, states_in
+from ...views import GroupState, backward_prefetch_targets, forward_prefetch_targets, state_of, states_in
 from . import memory, plan
 from .plan import GroupPlan
 from .storage import StorageTracker

@@ -7,8 +7,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from .runtime.quantized_gather import WIRE_ATTR, BlockQuantized
-from .runtime.state import owner_of
+from ..views import owner_of, set_gather_codec
+from .quantized_gather import BlockQuantized
 
 _WIRE_DTYPES = (
     torch.int8,
@@ -61,6 +61,6 @@ def quantize_all_gather(
                     f"quantize_all_gather: parameter '{fqn}' is already sharded by fully_shard; call "
                     "quantize_all_gather before fully_shard"
                 )
-            setattr(param, WIRE_ATTR, wire)
+            set_gather_codec(param, wire)
             chosen.append(fqn)
     return chosen

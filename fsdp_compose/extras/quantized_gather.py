@@ -1,6 +1,6 @@
 """Block-quantized weight all-gather (ZeRO++'s qwZ): int8 or float8 bytes plus a scale per block.
 
-A codec for the all-gather extension protocol (``extensions.py``), no tensor subclass needed: each
+A codec for the all-gather extension protocol (the core's ``set_gather_codec``), no tensor subclass needed: each
 rank sends its padded shard as blocks of ``block_size`` 1-byte values scaled by the block's absolute
 maximum (one fp32 scale each); every rank dequantizes all blocks into the compute dtype. The shard
 (the master weight) is never quantized, only what travels; gradients pass straight through.
@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-WIRE_ATTR = "_fsdp_compose_wire"
 _CHUNK_ELEMENTS = 1 << 16  # dequantized per step into the unsharded weight: 256 KiB of fp32
 
 
@@ -109,8 +108,3 @@ class BlockQuantized:
                 wire = wires[rank : rank + ranks, at:end].view(ranks, -1, size)
                 scale = scale_rows[rank : rank + ranks, at // size : end // size, None]
                 yield rows[:, at : at + chunk], wire, scale
-
-
-def wire_format_of(param: torch.Tensor) -> BlockQuantized | None:
-    """The wire format ``quantize_all_gather`` chose for ``param`` (an attribute: see ``register_owner``)."""
-    return getattr(param, WIRE_ATTR, None)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..runtime.state import GroupState, RootState
+from ...views import GroupState, RootState
 
 
 @dataclass

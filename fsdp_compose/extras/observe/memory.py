@@ -20,14 +20,15 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..runtime.schedule import (
+from ...views import (
+    GroupState,
+    RootState,
     backward_prefetch_targets,
     end_backward,
     forward_prefetch_targets,
     record_post_forward,
     record_pre_forward,
 )
-from ..runtime.state import GroupState, RootState
 from .plan import GroupSizes
 
 
@@ -78,7 +79,7 @@ def schedules_after_first_step(
 ) -> dict[GroupState, RootState]:
     """Each group's schedule: a scratch ``RootState`` per root whose first step ran ``orders[root]``.
 
-    The runtime's own schedule functions (``runtime/schedule.py``) then record the replayed step
+    The runtime's own schedule functions (``runtime/schedule.py``, through ``views.py``) then record the replayed step
     and give its prefetch targets, so the replay cannot drift from what training does.
     """
     by_root = {}

@@ -182,7 +182,7 @@ def estimate_many(
         env.update(RANK=str(jobs[0][2]), WORLD_SIZE=str(jobs[0][1]), PYTHONPATH=os.pathsep.join(sys_path))
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "fsdp_compose.observe.fake_step", spec_path, out_path],
+                [sys.executable, "-m", "fsdp_compose.extras.observe.fake_step", spec_path, out_path],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

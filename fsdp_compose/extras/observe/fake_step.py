@@ -1,6 +1,6 @@
 """The subprocess behind ``estimate``: one training step on fake tensors at the target world size.
 
-Run as ``python -m fsdp_compose.observe.fake_step SPEC OUT`` (``SPEC``: a JSON file naming the
+Run as ``python -m fsdp_compose.extras.observe.fake_step SPEC OUT`` (``SPEC``: a JSON file naming the
 build function or holding it pickled; ``OUT``: where the JSON result goes; stdout is the user's).
 Torch's fake process group stands in for the ranks (rank ``rank`` of ``world_size``; every
 collective returns at once, moving nothing) and ``FakeTensorMode`` for the memory: tensors have
@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.state import states_in
+from ...views import states_in
 from .explain import explain
 from .timeline import UNLABELLED, CollectiveTimeline
 
