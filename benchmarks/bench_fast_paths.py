@@ -122,11 +122,11 @@ FAST_PATHS: dict[str, tuple[str, list[Rewrite | Swap]]] = {
     ),
     "direct_c10d": (
         "dist.all_gather_into_tensor / reduce_scatter_tensor and their Python argument checks",
-        [Rewrite("fsdp_compose.runtime.c10d_direct:DirectAllGather.__call__",
+        [Rewrite("fsdp_compose.runtime.collectives:DirectAllGather.__call__",
                  "return _finished(getattr(group, GATHER_METHOD)(output_tensor, input_tensor, ASYNC_ALL_GATHER), "
                  "async_op)",
                  "return dist.all_gather_into_tensor(output_tensor, input_tensor, group, async_op=async_op)"),
-         Rewrite("fsdp_compose.runtime.c10d_direct:DirectReduceScatter.__call__",
+         Rewrite("fsdp_compose.runtime.collectives:DirectReduceScatter.__call__",
                  "return _finished(scatter(output_tensor, input_tensor, ASYNC_SUM_REDUCE_SCATTER), async_op)",
                  "return dist.reduce_scatter_tensor(output_tensor, input_tensor, group=group, async_op=async_op)")],
     ),

@@ -21,7 +21,7 @@ from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .module_settings import share_comm_ctx
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .runtime.c10d_direct import CollectiveError
+from .runtime.collectives import CollectiveError
 from .runtime.handshake import ExecutionOrderError
 from .runtime.placement import ShardPlacementResult
 from .spmd_mesh import DataParallelMeshDims

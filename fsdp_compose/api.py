@@ -337,7 +337,7 @@ def _build_state(
     group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), group_label, comm, post_forward)
     state = GroupState(modules=modules, group=group, reshard_after_forward=True, mp_policy=mp_policy)
     for index, (original, sp) in enumerate(sharded.items()):
-        sp.on_grad_accumulated = lambda _param, state=state, index=index: on_grad_accumulated(state, index)
+        sp.on_grad_accumulated = partial(on_grad_accumulated, state, index)  # a post-accumulate-grad hook
         sp.use(unsharded=False)
         register_owner(original, state, replaced_at=sp.fqn)  # the optimizer check names it (optimizer_check.py)
         register_owner(sp.sharded_param, state)

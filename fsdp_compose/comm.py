@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .runtime.c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER, DirectAllGather, DirectReduceScatter
+from .runtime.collectives import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER, DirectAllGather, DirectReduceScatter
 
 TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
 
@@ -95,7 +95,7 @@ class ProcessGroupAllocated:
         return torch.empty(*size, dtype=dtype, device=device)
 
 
-# the defaults (runtime/c10d_direct.py, below this layer) are of the protocol without importing it
+# the defaults (runtime/collectives.py, below this layer) are of the protocol without importing it
 DefaultAllGather = AllGather.register(DirectAllGather)
 DefaultReduceScatter = ReduceScatter.register(DirectReduceScatter)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .module_settings import FSDPModuleSettings
-from .runtime.hooks.call import call_sharded, sole_hooks_state
+from .runtime.hooks.forward import call_sharded, sole_hooks_state
 from .runtime.hooks.not_traced import dynamo_frame_callback, frame_not_traced
 from .runtime.refresh import follow_module
 from .runtime.state import INTERFACE_MARK, GroupState, class_name, state_of, states_in, user_class
@@ -57,7 +57,7 @@ class FSDPModule(FSDPModuleSettings):
     @frame_not_traced
     def _call_impl(self, *args, **kwargs):
         """``nn.Module``'s call, minus its general hook loop when only fully_shard's hooks would run
-        (``runtime/hooks/call.py``); inside a torch.compile region always the general loop, whose
+        (``runtime/hooks/forward.py``); inside a torch.compile region always the general loop, whose
         hooks dynamo does not trace (``runtime/hooks/not_traced.py``)."""
         state = sole_hooks_state(self) if dynamo_frame_callback() is None else None
         if state is None:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from typing_extensions import deprecated
 
 from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm, default_comms
-from .runtime.schedule import end_step
+from .runtime.schedule import end_step, reset_backward
 from .runtime.state import GroupState, class_name, state_of, states_in
 
 
@@ -53,7 +53,7 @@ class FSDPModuleSettings:
         root = state.root
         if root is None:  # before the first forward: the group alone
             state.group.discard_step()
-            state.reset_backward()
+            reset_backward(state)
         elif not state.is_root:
             raise RuntimeError(
                 f"reset_iter_state() must be called on the root FSDP module; {class_name(state.module)} "

@@ -17,6 +17,7 @@ from torch import nn
 
 from .module import FSDPModule
 from .runtime.hooks.backward import end_of_backward
+from .runtime.schedule import reshards_after_forward
 from .runtime.state import state_of, states_in
 
 STAGE, SCHEDULES = "torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules"
@@ -92,7 +93,7 @@ def _refuse_resharded_weight_pass(schedule) -> None:
         if not isinstance(stage.submod, FSDPModule):
             continue
         for name, state in states_in(stage.submod):
-            if state.reshards_after_forward(is_root=not name):
+            if reshards_after_forward(state, is_root=not name):
                 raise ValueError(
                     f"{type(schedule).__name__} computes weight gradients in a pass of their own, after "
                     f"'{name or '<root>'}' of stage {stage.stage_index} was resharded: its gradients would be "

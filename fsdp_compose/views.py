@@ -9,7 +9,7 @@ needs of the core is added here, so the core can change behind it.
 """
 
 from .comm import TRANSPORT_ENV
-from .runtime.c10d_direct import (
+from .runtime.collectives import (
     ASYNC_ALL_GATHER,
     COMPLETED,
     DIRECT_ALL_GATHER,
@@ -28,6 +28,7 @@ from .runtime.schedule import (
     forward_prefetch_targets,
     record_post_forward,
     record_pre_forward,
+    reshards_after_forward,
 )
 from .runtime.state import GroupState, RootState, owner_of, state_of, states_in
 from .whole_model.model_groups import reshard_idle
@@ -43,6 +44,7 @@ __all__ = [
     "record_pre_forward",
     "record_post_forward",
     "end_backward",
+    "reshards_after_forward",
     "set_gather_codec",
     "reshard_idle",
     "TRANSPORT_ENV",

@@ -2,7 +2,7 @@
 
 Each run is a fresh interpreter whose two ranks train, call ``destroy_process_group()`` and
 return; the abort this guards against ("terminate called without an active exception") fired
-at interpreter exit in about one run in three before the TLS hiding in ``runtime/c10d_direct.py``, so every run
+at interpreter exit in about one run in three before the TLS hiding in ``runtime/collectives.py``, so every run
 needs its own interpreters: nothing cheaper (a loop in one process, forked ranks that end in
 ``os._exit``) would exercise that exit. The script is kept cheap instead (its spawning parent
 imports no torch; each rank trains a 3-layer model for two steps), and runs go two at a time.

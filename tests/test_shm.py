@@ -17,8 +17,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 import fsdp_compose_shm as shm_transport
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import TRANSPORT_ENV, default_comms
-from fsdp_compose.runtime.c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
-from fsdp_compose.runtime.collectives import CommStats, GatherLayout, all_gather_flat, reduce_scatter_rows
+from fsdp_compose.runtime.collectives import (
+    DIRECT_ALL_GATHER,
+    DIRECT_REDUCE_SCATTER,
+    CommStats,
+    GatherLayout,
+    all_gather_flat,
+    reduce_scatter_rows,
+)
 from fsdp_compose.runtime.handshake import ExecutionOrderError
 from fsdp_compose.runtime.state import state_of
 from fsdp_compose_shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .c10d_direct import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
+from .collectives import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
 
 
 @dataclass

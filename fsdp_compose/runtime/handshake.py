@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
-from .c10d_direct import ASYNC_MAX_ALL_REDUCE, python_free_tls, wait_named
+from .collectives import ASYNC_MAX_ALL_REDUCE, python_free_tls, wait_named
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 MODES = ("1", "strict", "0")

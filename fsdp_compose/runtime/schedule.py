@@ -10,7 +10,23 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
-from .state import AFTER_BACKWARD, STEP_FORWARD, GroupState, RootState
+from .state import AFTER_BACKWARD, IDLE, STEP_FORWARD, GroupState, RootState
+
+
+def reshards_after_forward(state: GroupState, is_root: bool | None = None) -> bool:
+    """Whether forward frees the group's parameters: not at the root unless the user asked for it.
+
+    Backward needs the root's parameters first, so by default it keeps them gathered.
+    """
+    is_root = state.is_root if is_root is None else is_root
+    return bool(state.reshard_after_forward) and (state.reshard_after_forward_chosen or not is_root)
+
+
+def reset_backward(state: GroupState) -> None:
+    """The group's backward bookkeeping back to the start of a step."""
+    state.phase = IDLE
+    state.inputs_pending = 0
+    state.grads_ready.clear()
 
 
 def record_pre_forward(root: RootState, state: GroupState) -> None:
@@ -76,7 +92,7 @@ def end_step(root: RootState, failed: bool = False) -> None:
         root.unissued.clear()
         for s in root.states:
             s.group.discard_step()
-            s.reset_backward()
+            reset_backward(s)
         root.reducing.clear()
         root.post_forward_order = []
         root.post_forward_index = {}

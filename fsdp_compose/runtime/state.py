@@ -61,6 +61,7 @@ class GroupState:
     reduce_buffers: int | None = None  # reductions in flight before waiting; None: the root's reduce_limit
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     root: RootState | None = None
+    is_root: bool = False  # the root module's state (or one of its companions); set by lazy init
     # explicit prefetch targets (None: follow the recorded order)
     forward_prefetch: list[GroupState] | None = None
     backward_prefetch: list[GroupState] | None = None
@@ -82,10 +83,6 @@ class GroupState:
         return self.modules[0]
 
     @property
-    def is_root(self) -> bool:
-        return self.root is not None and self.root.root_module_state is (self.primary or self)
-
-    @property
     def mesh_text(self) -> str:
         """Which mesh this group is on, for a call with groups on several meshes (``ShardPlacementResult``)."""
         if not self.companions and self.primary is None:
@@ -99,18 +96,6 @@ class GroupState:
         """Every state of this ``fully_shard`` call: this one and its companions (one per mesh)."""
         return [self, *self.companions]
 
-    def reshards_after_forward(self, is_root: bool | None = None) -> bool:
-        """Whether forward frees the parameters: not at the root unless the user asked for it.
-
-        Backward needs the root's parameters first, so by default it keeps them gathered.
-        """
-        is_root = self.is_root if is_root is None else is_root
-        return bool(self.reshard_after_forward) and (self.reshard_after_forward_chosen or not is_root)
-
-    def reset_backward(self) -> None:
-        self.phase = IDLE
-        self.inputs_pending = 0
-        self.grads_ready.clear()
 
 
 @dataclass(eq=False)

@@ -143,7 +143,7 @@ class WholeModelStep:
 
 
 def _fast_path_calls(model, ids: torch.Tensor) -> int:
-    """How many sharded modules' calls took the eager fast path (runtime/hooks/call.py) in ``model(ids)``."""
+    """How many sharded modules' calls took the eager fast path (runtime/hooks/forward.py) in ``model(ids)``."""
     original, calls = module_py.call_sharded, []
     module_py.call_sharded = lambda *args: (calls.append(1), original(*args))[1]
     try:

@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime.c10d_direct import CollectiveError
+from fsdp_compose.runtime.collectives import CollectiveError
 from fsdp_compose.runtime.handshake import ExecutionOrderError
 from tests.harness import run_on_ranks
 from tests.models import DIM, Block, TinyLM, global_batch, lm_loss, local_slice

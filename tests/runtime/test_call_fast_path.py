@@ -1,5 +1,5 @@
 """A sharded module's call skips ``nn.Module``'s hook loop only when fully_shard's hooks are its
-only hooks (runtime/hooks/call.py); with any other hook the usual loop runs, in the usual order.
+only hooks (runtime/hooks/forward.py); with any other hook the usual loop runs, in the usual order.
 Every parity test trains through the fast path.
 """
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import fsdp_compose.module as module_py
-import fsdp_compose.runtime.hooks.call as call
+import fsdp_compose.runtime.hooks.forward as call
 from fsdp_compose import fully_shard
 from tests.harness import run_on_ranks
 

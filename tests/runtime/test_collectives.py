@@ -10,14 +10,14 @@ from expecttest import assert_expected_inline
 from torch.distributed import ProcessGroup
 
 from fsdp_compose import FSDPModule
-from fsdp_compose.runtime.c10d_direct import GATHER_METHOD, SCATTER_METHOD
+from fsdp_compose.runtime.collectives import GATHER_METHOD, SCATTER_METHOD
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, lm_loss, shard_blocks_then_root
 
 # all_gather_single and reduce_scatter_single are counted where they reach the process group
 # (``dist.all_gather_single`` calls ``ProcessGroup.all_gather_single``; fsdp_compose calls the
 # latter directly), so a collective is counted whichever way it was issued, and once; under torch
-# 2.13's names whatever the installed torch calls these methods (c10d_direct.GATHER_METHOD)
+# 2.13's names whatever the installed torch calls these methods (collectives.GATHER_METHOD)
 PROCESS_GROUP_WATCHED = {GATHER_METHOD: "all_gather_single", SCATTER_METHOD: "reduce_scatter_single"}
 WATCHED = [
     "all_gather_into_tensor",

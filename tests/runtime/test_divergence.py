@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime.c10d_direct import CollectiveError
+from fsdp_compose.runtime.collectives import CollectiveError
 from fsdp_compose.runtime.handshake import CHECK_ENV, ExecutionOrderError, check_mode
 from tests.harness import run_on_ranks
 from tests.models import (

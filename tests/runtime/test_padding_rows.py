@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import TRANSPORT_ENV
-from fsdp_compose.runtime.c10d_direct import SCATTER_METHOD
+from fsdp_compose.runtime.collectives import SCATTER_METHOD
 from fsdp_compose.runtime.params import ShardedParam
 from fsdp_compose.runtime.state import states_in
 from tests.harness import run_on_ranks

@@ -28,6 +28,7 @@ from ...views import (
     forward_prefetch_targets,
     record_post_forward,
     record_pre_forward,
+    reshards_after_forward,
 )
 from .plan import GroupSizes
 
@@ -171,7 +172,7 @@ def replay(
     def post_forward(call: Call) -> None:
         s = call.state
         record_post_forward(schedules[s], s)
-        if s.reshards_after_forward((s.primary or s) in roots):
+        if reshards_after_forward(s, (s.primary or s) in roots):
             reshard(s, after_forward=True)
 
     for call in calls:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...views import GroupState, RootState
+from ...views import GroupState, RootState, reshards_after_forward
 
 
 @dataclass
@@ -120,7 +120,7 @@ def plan_group(
 ) -> GroupPlan:
     group, sizes = state.group, sizes_of(state)
     calls = len(state.modules)
-    reshards = state.reshards_after_forward(is_root)
+    reshards = reshards_after_forward(state, is_root)
     world = group.world_size
     gathers = gather_bytes = 0
     sent = 0.0

@@ -17,6 +17,7 @@ from ..schedule import (
     issue_reductions,
     queue_reductions,
     release_held,
+    reset_backward,
     unshard_with_prefetch,
 )
 from ..state import IDLE, IN_BACKWARD, POST_BACKWARD, PRE_BACKWARD, GroupState, RootState
@@ -79,6 +80,38 @@ def end_of_graph_only(root: RootState, previous) -> None:
         end_of_backward(root)
 
 
+class PostBackwardSignal(torch.autograd.Function):
+    """Identity on a module's inputs (``forward.py`` routes them through it); its backward runs when
+    their gradients are ready."""
+
+    @staticmethod
+    def forward(ctx, state: GroupState, *tensors: torch.Tensor):
+        ctx.state = state
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        _inputs_done(ctx.state)
+        return (None, *grads)
+
+
+def inputs_done_hook(state: GroupState, grad_inputs, grad_outputs) -> None:
+    """The hook on the node of a single input's identity view (``forward.signal_post_backward``)."""
+    _inputs_done(state)
+
+
+def _inputs_done(state: GroupState) -> None:
+    if state.root.graph_only:  # a gradient-only pass over the forward graph; the step's backward comes
+        return
+    state.inputs_pending -= 1
+    maybe_post_backward(state)
+
+
+def pre_backward_hook(state: GroupState, _grads) -> None:
+    """The pre-hook ``forward.register_pre_backward`` puts on an output's node (or leaf)."""
+    pre_backward(state)
+
+
 def pre_backward(state: GroupState) -> None:
     root = state.root
     if root.graph_only or begin_graph_only(root, state):  # only the data, for the graph being created
@@ -97,7 +130,7 @@ def pre_backward(state: GroupState) -> None:
     issue_reductions(root)  # after the handshake of the all-gathers above (gloo)
 
 
-def on_grad_accumulated(state: GroupState, index: int) -> None:
+def on_grad_accumulated(state: GroupState, index: int, _param=None) -> None:
     """Post-accumulate-grad hook of the unsharded parameter ``index`` of the group."""
     root = state.root
     if root is not None and root.graph_only:
@@ -159,6 +192,6 @@ def end_of_backward(root: RootState, held: bool = False) -> None:
                 state.group.wait_reduces()
         root.reducing.clear()
     for state in root.states:
-        state.reset_backward()
+        reset_backward(state)
     end_backward(root)
     root.ledgers.close_round()  # may raise ExecutionOrderError, once the step's state is reset

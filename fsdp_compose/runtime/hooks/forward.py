@@ -5,16 +5,24 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _nn_module
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_leaves, tree_unflatten
 
 from ..refresh import follow_module
-from ..schedule import forward_prefetch_targets, record_post_forward, record_pre_forward, unshard_with_prefetch
+from ..schedule import (
+    forward_prefetch_targets,
+    record_post_forward,
+    record_pre_forward,
+    reshards_after_forward,
+    unshard_with_prefetch,
+)
 from ..state import FORWARD, IDLE, IN_BACKWARD, GroupState, RootState, class_name, states_in
-from .backward import maybe_post_backward, pre_backward
+from .backward import PostBackwardSignal, inputs_done_hook, pre_backward_hook
 from .not_traced import not_traced
 
 
@@ -60,6 +68,7 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
     for name, s in found:
         s.group.handshakes.use_ledgers(root.ledgers)
         s.root = root
+        s.is_root = s is state or s.primary is state
         s.group.label = f"'{name or '<root>'}' ({class_name(s.module)}){s.mesh_text}"
         for p in s.group.params:
             p.fqn = param_names.get(id(p.sharded_param), p.fqn)
@@ -71,20 +80,6 @@ def plain_tensor_args(args: object, kwargs: dict) -> bool:
     return not kwargs and type(args) is tuple and all(is_tensor_leaf(a) for a in args)
 
 
-class PostBackwardSignal(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs when their gradients are ready."""
-
-    @staticmethod
-    def forward(ctx, state: GroupState, *tensors: torch.Tensor):
-        ctx.state = state
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        _inputs_done(ctx.state)
-        return (None, *grads)
-
-
 def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``tensors`` routed through autograd nodes whose backward tells ``state`` this call's inputs got
     their gradients: one plain tensor through ``view_as`` with a hook on its node (half the cost of a
@@ -93,16 +88,9 @@ def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tupl
     state.inputs_pending += 1
     if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
         view = tensors[0].view_as(tensors[0])
-        view.grad_fn.register_hook(lambda grad_inputs, grad_outputs, state=state: _inputs_done(state))
+        view.grad_fn.register_hook(partial(inputs_done_hook, state))
         return (view,)
     return PostBackwardSignal.apply(state, *tensors)
-
-
-def _inputs_done(state: GroupState) -> None:
-    if state.root.graph_only:  # a gradient-only pass over the forward graph; the step's backward comes
-        return
-    state.inputs_pending -= 1
-    maybe_post_backward(state)  # hooks/backward.py
 
 
 def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -180,7 +168,7 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
                 s.group.reshard()
         return output
     record_post_forward(root, state)
-    if state.reshards_after_forward() and not state.held_by_graph:
+    if reshards_after_forward(state) and not state.held_by_graph:
         state.group.reshard(after_forward=True)
     if type(output) is torch.Tensor:  # the usual output: no generator
         if output.requires_grad:
@@ -196,13 +184,55 @@ def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
     """Run ``pre_backward(state)`` when backward reaches ``x``: a pre-hook on ``x``'s node (one C++ call,
     where ``Tensor.register_hook`` runs a page of Python), or on a leaf the tensor hook."""
     node = x.grad_fn
+    hook = partial(pre_backward_hook, state)  # a partial: backward runs no function of this file
     if node is not None:
-        node.register_prehook(lambda grads, state=state: pre_backward(state))
+        node.register_prehook(hook)
     else:
-        x.register_hook(lambda grad, state=state: pre_backward(state))
+        x.register_hook(hook)
 
 
 # what fully_shard registers as the module's hooks: nn.Module's general hook loop calls them, also
 # inside a torch.compile region; the eager fast path (call.py) calls the undecorated functions
 pre_forward_hook = not_traced(pre_forward)
 post_forward_hook = not_traced(post_forward)
+
+
+# ----- a sharded module's call without nn.Module's general hook loop -------------------------------
+# When fully_shard's two hooks are the module's only hooks (no global ones, no JIT tracing, not in a
+# compiled region), ``call_sharded`` runs what ``_call_impl``'s loop would: pre-forward hook, ``forward``,
+# post-forward hook, without the loop's bookkeeping (priced in docs/benchmarks.md). FSDPModule._call_impl
+# (module.py) takes this path.
+
+# the dicts torch's register_module_*_hook functions fill in place
+_GLOBAL_HOOKS = (
+    _nn_module._global_backward_pre_hooks,
+    _nn_module._global_backward_hooks,
+    _nn_module._global_forward_hooks,
+    _nn_module._global_forward_pre_hooks,
+)
+_get_tracing_state = torch._C._get_tracing_state
+
+
+def sole_hooks_state(module: nn.Module) -> GroupState | None:
+    """The state whose two hooks are the only hooks ``module``'s call would run, else ``None``."""
+    pre_hooks, post_hooks = module._forward_pre_hooks, module._forward_hooks
+    if len(pre_hooks) != 1 or len(post_hooks) != 1 or module._backward_hooks or module._backward_pre_hooks:
+        return None
+    if any(_GLOBAL_HOOKS) or _get_tracing_state() is not None:
+        return None
+    pre, post = next(iter(pre_hooks.values())), next(iter(post_hooks.values()))
+    if not (_is_partial_of(pre, pre_forward_hook) and _is_partial_of(post, post_forward_hook)):
+        return None
+    state = pre.args[0]
+    return state if post.args[0] is state else None
+
+
+def _is_partial_of(hook: object, function: object) -> bool:
+    return type(hook) is partial and hook.func is function
+
+
+def call_sharded(module: nn.Module, state: GroupState, args: tuple, kwargs: dict) -> Any:
+    """Pre-forward hook, ``forward``, post-forward hook: what ``_call_impl`` runs for these hooks."""
+    args, kwargs = pre_forward(state, module, args, kwargs)
+    output = module.forward(*args, **kwargs)
+    return post_forward(state, module, args, output)

@@ -1,4 +1,4 @@
-"""The fallbacks of runtime/c10d_direct.py for torch 2.11 and 2.12, run on whatever torch is installed:
+"""The fallbacks of runtime/collectives.py for torch 2.11 and 2.12, run on whatever torch is installed:
 their collective names (``_allgather_base`` / ``_reduce_scatter_base``, which torch 2.13 keeps) and a
 backward that stashes no context in TLS. CI also runs the whole suite on torch 2.11.0 (tools/test_torch.sh)."""
 
@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 from torch.distributed import ProcessGroup
 
-from fsdp_compose.runtime import c10d_direct
+from fsdp_compose.runtime import collectives
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 
@@ -15,7 +15,7 @@ OLD_NAMES = {"GATHER_METHOD": "_allgather_base", "SCATTER_METHOD": "_reduce_scat
 
 
 def _train_as_on_torch_2_11() -> dict:
-    names = {attr: getattr(c10d_direct, attr) for attr in (*OLD_NAMES, "STASHES_CONTEXT")}
+    names = {attr: getattr(collectives, attr) for attr in (*OLD_NAMES, "STASHES_CONTEXT")}
     calls: Counter = Counter()
     raw = {name: vars(ProcessGroup)[name] for name in OLD_NAMES.values()}
 
@@ -27,14 +27,14 @@ def _train_as_on_torch_2_11() -> dict:
         return call
 
     for attr, name in OLD_NAMES.items():
-        setattr(c10d_direct, attr, name)
+        setattr(collectives, attr, name)
         setattr(ProcessGroup, name, counted(name))
-    c10d_direct.STASHES_CONTEXT = False
+    collectives.STASHES_CONTEXT = False
     try:
         result = train_against_reference(TinyLM, shard_blocks_then_root)
     finally:
         for attr, value in names.items():
-            setattr(c10d_direct, attr, value)
+            setattr(collectives, attr, value)
         for name, fn in raw.items():
             setattr(ProcessGroup, name, fn)
     result["calls"] = dict(calls)
@@ -50,6 +50,6 @@ def test_older_torch_collectives_and_tls_train_at_parity():
 
 def test_names_match_the_installed_torch():
     new = hasattr(ProcessGroup, "all_gather_single")
-    assert c10d_direct.GATHER_METHOD == ("all_gather_single" if new else "_allgather_base")
-    assert c10d_direct.SCATTER_METHOD == ("reduce_scatter_single" if new else "_reduce_scatter_base")
-    assert c10d_direct.STASHES_CONTEXT == hasattr(torch._C, "_remove_obj_from_tls")
+    assert collectives.GATHER_METHOD == ("all_gather_single" if new else "_allgather_base")
+    assert collectives.SCATTER_METHOD == ("reduce_scatter_single" if new else "_reduce_scatter_base")
+    assert collectives.STASHES_CONTEXT == hasattr(torch._C, "_remove_obj_from_tls")
