@@ -23,7 +23,7 @@ from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.params import ShardedParam
 from .runtime.placement import DimShardedParam, resolve_placement
-from .runtime.state import GroupState, class_name, group_label, owner_of, register_owner, register_state, state_of
+from .runtime.state import GroupState, class_name, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .weights_check import check_same_values
 from .whole_model.state_dict_hooks import register_state_dict_hooks
@@ -334,7 +334,7 @@ def _build_state(
     post_forward = None
     if post_forward_ranks is not None:
         post_forward = PostForward(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
-    group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), group_label, comm, post_forward)
+    group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), comm, post_forward)
     state = GroupState(modules=modules, group=group, reshard_after_forward=True, mp_policy=mp_policy)
     for index, (original, sp) in enumerate(sharded.items()):
         sp.on_grad_accumulated = partial(on_grad_accumulated, state, index)  # a post-accumulate-grad hook

@@ -320,17 +320,9 @@ class grad_off:  # noqa: N801 - used like torch.no_grad
 _NULL = contextlib.nullcontext()
 
 
-def group_name(label: str) -> str:
-    """The module FQN inside a group label (``'blocks.3' (Block)`` after lazy init); else the label."""
-    if label.startswith("'"):
-        end = label.find("'", 1)
-        if end > 0:
-            return label[1:end]
-    return label
-
-
 def labelled(kind: str, group) -> contextlib.AbstractContextManager:
-    """``record_function("fsdp_compose::<kind> <module fqn>")`` while a profiler runs, else a shared no-op."""
+    """``record_function("fsdp_compose::<kind> <module fqn>")`` while a profiler runs, else a shared no-op
+    (before the first forward the class name stands for the FQN)."""
     if not _autograd_profiler._is_profiler_enabled:
         return _NULL
-    return torch.profiler.record_function(f"fsdp_compose::{kind} {group_name(group.label)}")
+    return torch.profiler.record_function(f"fsdp_compose::{kind} {group.fqn or group.class_name}")

@@ -62,14 +62,15 @@ class ParamGroup:
         params: list[ShardedParam],
         mesh: DeviceMesh,
         device: torch.device,
-        label: str,
-        name_of: Callable[[int], str],
+        class_name: str,
         comm: CommOptions,
         post_forward: PostForward | None = None,
     ) -> None:
-        self.uid = new_uid()
-        self.label = label  # how errors name the group; lazy init sets the FQN
-        self.handshakes = Handshakes(self.uid, device, name_of)
+        self.class_name = class_name  # the user's class of the call's first module
+        self.fqn: str | None = None  # its name in the model, and which mesh when a call has several: set by lazy init
+        self.mesh_text = ""
+        self.uid = new_uid()  # the n-th group built on this rank: the handshakes' id, as on every rank
+        self.handshakes = Handshakes(self.uid, device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
@@ -149,6 +150,11 @@ class ParamGroup:
                 )
         finish = partial(self._finish_unshard, gathered, layout, rows, extended)
         self.pending_unshard = PendingCollective(work, finish, name=self._name_all_gather)
+
+    @property
+    def label(self) -> str:
+        """How errors name the group: ``'blocks.3' (Block)``; before the first forward, the class name."""
+        return self.class_name if self.fqn is None else f"'{self.fqn}' ({self.class_name}){self.mesh_text}"
 
     def _name_all_gather(self) -> str:
         return f"the all-gather of {self.label}"

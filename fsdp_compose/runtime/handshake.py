@@ -240,17 +240,21 @@ class Ledgers:
             ledger.forget()
 
 
+def _unknown_group(uid: int) -> str:
+    return f"<group {uid}, before its first forward>"
+
+
 class Handshakes:
     """One group's handshakes, cached per (kind, bytes, process group): the ``kinds`` pair of
     ``handshake_kinds`` (every backend, gloo), logged in the root's ``ledgers``."""
 
-    def __init__(self, uid: int, device: torch.device, name_of: Callable[[int], str]) -> None:
+    def __init__(self, uid: int, device: torch.device) -> None:
         self.uid = uid
         everywhere, on_gloo = handshake_kinds()
         self.everywhere = everywhere  # kinds checked on every backend
         self.on_gloo = everywhere | on_gloo  # kinds checked on gloo: every kind checked anywhere
         self.device = device
-        self.name_of = name_of  # names any group by its uid (messages name other ranks' groups)
+        self.name_of: Callable[[int], str] = _unknown_group  # names any group by its uid (messages name other ranks')
         self._entries: dict[tuple[int, int, object], Entry | None] = {}
         self.ledgers = Ledgers()  # this group's own until the root's replaces it (``use_ledgers``)
 
@@ -259,8 +263,10 @@ class Handshakes:
             self.device = device
             self._entries.clear()
 
-    def use_ledgers(self, ledgers: Ledgers) -> None:
-        """Record into the root's ledgers from now on, after judging what this group recorded alone."""
+    def use_ledgers(self, ledgers: Ledgers, name_of: Callable[[int], str]) -> None:
+        """Record into the root's ledgers from now on, naming groups through the root, after judging what
+        this group recorded alone."""
+        self.name_of = name_of
         if ledgers is not self.ledgers:
             self.ledgers.close_round()
             self.ledgers = ledgers

@@ -14,7 +14,6 @@ from torch import nn
 from ..policies import MixedPrecisionPolicy
 from .group import ParamGroup
 from .handshake import Ledgers
-from .uids import rank_key
 
 
 class StepPhase(IntEnum):
@@ -124,12 +123,14 @@ class RootState:
     graph_only: bool = False
     accumulated_in_graph_only: bool = False
 
+    def label_of(self, uid: int) -> str:
+        """Name a group by the id handshakes carry (ids agree across ranks; messages name other ranks' groups)."""
+        return next((s.group.label for s in self.states if s.group.uid == uid), f"<unknown group {uid}>")
+
 
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed
 # registry: torch.utils.swap_tensors (used by module.to_empty) refuses tensors with weakrefs.
 _module_states: weakref.WeakKeyDictionary[nn.Module, GroupState] = weakref.WeakKeyDictionary()
-# keyed by ((rank, world size), uid): ids restart per rank (see uids.py), and threaded ranks share this table
-_states_by_uid: weakref.WeakValueDictionary[tuple[tuple[int, int], int], GroupState] = weakref.WeakValueDictionary()
 _OWNER_ATTR = "_fsdp_compose_owner"
 # set in the own namespace of FSDPModule and of the subclasses fully_shard swaps in: names skip them
 INTERFACE_MARK = "_fsdp_compose_interface"
@@ -165,17 +166,9 @@ def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
 
 
 def register_state(state: GroupState) -> None:
-    """Register a call's first state on its modules, and every state of the call by group id."""
+    """Register a call's first state on its modules (its companions are reached through it)."""
     for module in state.modules:
         _module_states[module] = state
-    for s in state.call_states:
-        _states_by_uid[(rank_key(), s.group.uid)] = s
-
-
-def group_label(uid: int) -> str:
-    """Name a group by the id carried in all-gather tags (ids agree across ranks)."""
-    state = _states_by_uid.get((rank_key(), uid))
-    return state.group.label if state is not None else f"<unknown group {uid}>"
 
 
 def owner_of(param: nn.Parameter) -> GroupState | None:

@@ -3,7 +3,7 @@
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_compose.runtime.collectives import _NULL, group_name, labelled
+from fsdp_compose.runtime.collectives import _NULL, labelled
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
 
@@ -34,7 +34,17 @@ def test_profile_of_one_step_has_every_label():
         assert not missing, sorted(missing)
 
 
-def test_group_name_is_the_module_fqn():
-    assert group_name("'blocks.3' (TransformerBlock)") == "blocks.3"
-    assert group_name("'<root>' (GPT)") == "<root>"
-    assert group_name("Block") == "Block"  # before lazy init: the class name
+def _labels_before_and_after_the_first_forward():
+    torch.manual_seed(0)
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    group = model.blocks[1]._fsdp_state().group
+    before = group.label, group.fqn
+    model(torch.randint(0, 37, (2, 5)))
+    return before, (group.label, group.fqn)
+
+
+def test_a_group_is_named_by_its_class_then_by_its_fqn():
+    for before, after in run_on_ranks(1, _labels_before_and_after_the_first_forward):
+        assert before == ("Block", None)
+        assert after == ("'blocks.1' (Block)", "blocks.1")

@@ -66,10 +66,10 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
                 )
     root = RootState(root_module_state=state, states=[s for _, s in found])
     for name, s in found:
-        s.group.handshakes.use_ledgers(root.ledgers)
+        s.group.handshakes.use_ledgers(root.ledgers, root.label_of)
         s.root = root
         s.is_root = s is state or s.primary is state
-        s.group.label = f"'{name or '<root>'}' ({class_name(s.module)}){s.mesh_text}"
+        s.group.fqn, s.group.mesh_text = name or "<root>", s.mesh_text
         for p in s.group.params:
             p.fqn = param_names.get(id(p.sharded_param), p.fqn)
 
