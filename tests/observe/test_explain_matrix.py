@@ -15,7 +15,7 @@ from expecttest import assert_expected_inline
 from torch import nn
 
 from fsdp_compose import estimate, explain, fully_shard
-from fsdp_compose.observe.explain import fmt_bytes
+from fsdp_compose.extras.observe.explain import fmt_bytes
 from fsdp_compose.optim import OwnerComputedMuon
 from tests.harness import run_on_ranks
 
