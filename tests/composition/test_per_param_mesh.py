@@ -269,3 +269,42 @@ def test_expert_parallel_experts_on_their_own_mesh_with_torchs_mesh_info():
         assert all(abs(a - b) <= 1e-5 for a, b in r["losses"]), r["losses"]
         assert r["param_diff"] <= 1e-5, r
         assert r["mesh"] == ("efsdp", "ep"), r
+
+
+def _options(options: str) -> dict:
+    from fsdp_compose import CPUOffloadPolicy
+    from tests.models import lm_loss
+
+    dense, experts = _meshes()
+    kwargs = {"reshard_2": {"reshard_after_forward": 2}, "offload": {"offload_policy": CPUOffloadPolicy()},
+              "no_reshard": {"reshard_after_forward": False}, "no_sync": {}}[options]
+
+    def accumulate(model, batch, rank, world_size):
+        """Two micro-batches, the first without gradient sync (every group of a call follows the setter)."""
+        if world_size == 1:  # the reference: the global batch at once
+            loss = lm_loss(model, batch)
+            loss.backward()
+            return loss
+        model.set_requires_gradient_sync(False)
+        first = lm_loss(model, batch[:1]) / 2
+        with count_collectives() as counts:
+            first.backward()
+        reduced.append(counts.get("reduce_scatter_single", 0) + counts.get("all_reduce", 0))
+        model.set_requires_gradient_sync(True)
+        second = lm_loss(model, batch[1:]) / 2
+        second.backward()
+        return first.detach() + second.detach()
+
+    reduced: list[int] = []
+    step = accumulate if options == "no_sync" else None
+    result = train_against_reference(MoELM, lambda model: _shard(model, dense, experts, **kwargs), step_fn=step)
+    result["reduced_without_sync"] = reduced
+    return result
+
+
+@pytest.mark.parametrize("options", ["reshard_2", "offload", "no_reshard", "no_sync"])
+def test_options_and_accumulation_apply_to_every_mesh_group(options):
+    results = run_on_ranks(4, _options, options)
+    assert_parity(results)
+    for r in results:  # no reduction at all in a no-sync backward, the experts' groups included
+        assert r["reduced_without_sync"] == ([0] * 4 if options == "no_sync" else []), r["reduced_without_sync"]
