@@ -107,8 +107,8 @@ FAST_PATHS: dict[str, tuple[str, list[Rewrite | Swap]]] = {
     ),
     "byte_views_cache": (
         "building a shard's byte views for the all-gather at each unshard",
-        [Rewrite("fsdp_compose.runtime.params:ShardedParam.gather_pieces",
-                 "if local is self._pieces_source:", "if False:")],
+        [Rewrite("fsdp_compose.runtime.unsharded:Aliased.pieces",
+                 "if local is self._source:", "if False:")],
     ),
     "flag_rows_cache": (
         "building the has-gradient flag rows at each reduce-scatter",

@@ -22,8 +22,9 @@ from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.params import ShardedParam
-from .runtime.placement import DimShardedParam, resolve_placement
+from .runtime.placement import resolve_placement
 from .runtime.state import GroupState, class_name, owner_of, register_owner, register_state, state_of
+from .runtime.unsharded import use
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .weights_check import check_same_values
 from .whole_model.state_dict_hooks import register_state_dict_hooks
@@ -274,8 +275,7 @@ def fully_shard(
             dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
         device = mesh_device(group_mesh)
         layout = resolve_layout(param.dtype, device, mp_policy, offload_policy, on_meta)
-        cls = DimShardedParam if shard_dim else ShardedParam
-        sp = cls(param, places[param], fqn, group_mesh, layout, shard_dim, spmd, dp_dims, mp_policy)
+        sp = ShardedParam(param, places[param], fqn, group_mesh, layout, shard_dim, spmd, dp_dims, mp_policy)
         by_mesh.setdefault(_mesh_key(group_mesh), (group_mesh, {}))[1][param] = sp
     if not by_mesh:  # a call without parameters still has a (empty) group on its mesh
         by_mesh[_mesh_key(mesh)] = (mesh, {})
@@ -338,7 +338,7 @@ def _build_state(
     state = GroupState(modules=modules, group=group, reshard_after_forward=True, mp_policy=mp_policy)
     for index, (original, sp) in enumerate(sharded.items()):
         sp.on_grad_accumulated = partial(on_grad_accumulated, state, index)  # a post-accumulate-grad hook
-        sp.use(unsharded=False)
+        use(sp, unsharded=False)
         register_owner(original, state, replaced_at=sp.fqn)  # the optimizer check names it (optimizer_check.py)
         register_owner(sp.sharded_param, state)
     return state

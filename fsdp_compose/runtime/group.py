@@ -27,6 +27,7 @@ from .handshake import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes
 from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
 from .uids import new_uid
+from .unsharded import gather_pieces, use
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,7 @@ class ParamGroup:
             return
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_plan = None
-        self.layout = GatherLayout([w for p in self.params for w in p.gather_widths()], self.world_size)
+        self.layout = GatherLayout([w for p in self.params for w in p.form.widths(p)], self.world_size)
         self._partial.clear()
         self._kept = None
 
@@ -135,10 +136,10 @@ class ParamGroup:
                 extended, pieces = False, []
                 with labelled("copy_in", self):  # casts/moves shards where needed; no concatenation here
                     for p in self.params:
-                        pieces.extend(p.gather_pieces())
-                        extended = extended or p.extension is not None
+                        pieces.extend(gather_pieces(p))
+                        extended = extended or p.form.extension is not None
                 if extended or self._extension_layout:  # the protocol chose this step's inputs (columns)
-                    widths = [w for p in self.params for w in p.gather_widths()]
+                    widths = [w for p in self.params for w in p.form.widths(p)]
                     if widths != self.layout.sizes:
                         self.layout = GatherLayout(widths, self.world_size)
                     self._extension_layout = extended
@@ -169,17 +170,17 @@ class ParamGroup:
                 # post-forward slice keeps rows of other ranks, so it gets them all)
                 skip_padding = self.data_ranks < rows == self.world_size and self.post_forward is None
                 if skip_padding and not extended:
-                    targets = [p.alloc_unsharded_rows(self.data_ranks) for p in self.params]
+                    targets = [t for p in self.params for t in p.form.targets(p, self.data_ranks)]
                     gathered = gathered[: self.data_ranks]
                 else:  # (world, padded bytes) each; one per extension input when extended
-                    targets = [t for p in self.params for t in p.gather_targets()]
+                    targets = [t for p in self.params for t in p.form.targets(p)]
                     if rows != self.world_size:
                         targets = [t.view(rows, -1) for t in targets]
                 copy_out(gathered, layout, targets)
                 slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
                 for p in self.params:
-                    p.finish_copy_out(slice_follows)
-                    p.use(unsharded=True)
+                    p.form.finish(p, slice_follows)
+                    use(p, unsharded=True)
         self.is_unsharded = True
 
     def wait_unshard(self) -> None:
@@ -203,18 +204,18 @@ class ParamGroup:
         if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
             ranks, index = self.post_forward.ranks, self.rank % self.post_forward.ranks  # this rank's N-way slice
             with grad_off():
-                self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.gathered_rows()])
+                self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.form.rows(p)])
         else:
             self._kept = None
         for p in self.params:
-            p.use(unsharded=False)
-            p.free_unsharded()
+            use(p, unsharded=False)
+            p.form.free(p)
         self.is_unsharded = False
 
     def unsharded_nbytes(self) -> int:
         """Bytes held for unsharded use now: gathered parameters, or the post-forward slice."""
         kept = self._kept.numel() if self._kept is not None else 0
-        return kept + sum(p.unsharded_nbytes() for p in self.params)
+        return kept + sum(p.form.nbytes(p) for p in self.params)
 
     # ----- gradients --------------------------------------------------------------------
     def start_reduce(self, all_reduce: bool = True) -> list[Callable[[], None]]:

@@ -65,7 +65,7 @@ def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None, ranks: int | No
     if grad is None:
         return torch.zeros(ranks, p.padded_numel, dtype=dtype, device=p.layout.compute_device)
     if p.shard_dim:
-        grad = p.to_comm(grad)
+        grad = p.form.to_comm(grad)
     missing = ranks * p.padded_numel - grad.numel()
     if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
         return grad.reshape(ranks, p.padded_numel)
@@ -79,7 +79,7 @@ def accumulate_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
     """Add this rank's reduced gradient shard (laid out for the collective: ``comm_local_shape``)
     into the sharded ``.grad``, in the parameter's own dtype and on its storage device."""
     if p.shard_dim:  # else the collective's layout is the shard's
-        local_grad = p.from_comm(local_grad).contiguous()
+        local_grad = p.form.from_comm(local_grad).contiguous()
     current = p.sharded_param.grad
     if current is None:
         if local_grad.dtype != p.dtype or local_grad.device != p.layout.storage_device:

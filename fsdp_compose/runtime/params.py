@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from functools import partial
 
 import torch
 from torch import nn
@@ -24,7 +25,8 @@ from .extensions import (
     refuse_without_protocol,
     shard_subclass,
 )
-from .param_layout import ParamLayout, ParamPlace, alias, contiguous_strides, spmd_layout
+from .param_layout import ParamLayout, ParamPlace, contiguous_strides, spmd_layout
+from .unsharded import Aliased, Extended, Staged, use
 
 
 class ShardedParam:
@@ -107,21 +109,24 @@ class ShardedParam:
         )
         # called with the unsharded parameter after autograd accumulated its gradient
         self.on_grad_accumulated = None
+        # the storage of the unsharded form for a shard without the extension protocol (``unsharded.py``)
+        self._plain_form = partial(Staged, shard_dim) if shard_dim else Aliased
         self._forget_built()
 
     def _forget_built(self) -> None:
         """Drop what was built for the shard and its gather dtype; the next unshard builds it anew."""
         self.unsharded_param: nn.Parameter | None = None
-        # (world, padded bytes) uint8 view of the unsharded storage: the copy-out target.
-        self._gather_target: torch.Tensor | None = None
-        self._padding = self._zeros(self.padded_numel - self.local_numel, self.layout.compute_device)
-        self._pieces_source: torch.Tensor | None = None
-        self._pieces: list[torch.Tensor] = []
+        self._padding = self.zeros(self.padded_numel - self.local_numel, self.layout.compute_device)
         # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (``param_grad.stash_grad``)
         self.accumulated_grad: torch.Tensor | None = None
-        # the all-gather extension protocol, for a local shard that implements it (``extensions.py``)
-        self.extension: GatherExtension | None = None
-        self._plain_source: torch.Tensor | None = None  # a local shard known not to implement it
+        # where the unsharded form lives: plain, staged, or the extension protocol's (``unsharded.py``)
+        self.form: Aliased | Staged | Extended = self._plain_form()
+        self._plain_source: torch.Tensor | None = None  # a local shard known not to implement the protocol
+
+    @property
+    def extension(self) -> GatherExtension | None:
+        """The all-gather extension protocol's state, for a local shard that implements it (``extensions.py``)."""
+        return self.form.extension
 
     @torch.no_grad()
     def shard_of(self, full: torch.Tensor) -> torch.Tensor:
@@ -147,7 +152,7 @@ class ShardedParam:
             local = local.pin_memory()
         return local
 
-    def _zeros(self, numel: int, device: torch.device) -> torch.Tensor:
+    def zeros(self, numel: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.layout.gather_dtype, device=device)
 
     @property
@@ -177,7 +182,7 @@ class ShardedParam:
             self.requires_grad = sharded_param.requires_grad
             self.layout = layout
             self._forget_built()
-            self.use(unsharded=False)
+            use(self, unsharded=False)
         device = self.local_tensor().device
         if self.layout.storage_device.type == "meta" and device.type != "meta":  # materialized by ``to_empty``
             if self.layout.offload and device.type != "cpu":
@@ -190,54 +195,31 @@ class ShardedParam:
             if self.layout.pin_memory:  # as torch's FSDP2: the same parameter object, its local tensor pinned
                 self.sharded_param._local_tensor = self.local_tensor().pin_memory()
         if self._padding.device != self.layout.compute_device:
-            self._padding = self._zeros(self._padding.numel(), self.layout.compute_device)
-            self._pieces_source = None
+            self._padding = self.zeros(self._padding.numel(), self.layout.compute_device)
+            self.form.forget_pieces()  # cached pieces hold the old padding
         return self.layout.compute_device
 
-    def gather_pieces(self) -> list[torch.Tensor]:
-        """This rank's all-gather contribution as byte pieces, moved and cast to the gather dtype
-        before the collective (bf16 halves the bytes moved); uncast byte views are cached."""
-        local = self.sharded_param._local_tensor
-        if local is self._pieces_source:  # the shard the cached byte views were made of
-            return self._pieces
-        if local is not self._plain_source:
-            extension = self._extension_for(local)
-            if extension is not None:
-                return extension.pieces(local, self.rows_per_rank, self.local_rows, self.layout.compute_device)
-        if local.device != self.layout.compute_device or local.dtype != self.layout.gather_dtype:
-            local = local.to(self.layout.compute_device, self.layout.gather_dtype, non_blocking=True)
-            return self._as_pieces(local)
-        self._pieces_source, self._pieces = local, self._as_pieces(local)
-        return self._pieces
-
-    def _extension_for(self, local: torch.Tensor) -> GatherExtension | None:
-        """The protocol state for ``local`` if it implements the protocol (checked once per shard object:
+    def choose_form(self, local: torch.Tensor) -> None:
+        """The protocol's form for ``local`` if it implements the protocol (checked once per shard object:
         ``to_empty`` or a replaced parameter brings a new one); else remembers ``local`` as plain."""
-        extension = self.extension
+        extension = self.form.extension
         if extension is not None and extension.source is local:
-            return extension
+            return
         own = has_protocol(local, f"the shard of parameter '{self.fqn}'")  # a subclass's protocol comes first
         protocol = own or self.wire is not None
         if extension is not None or (protocol and self.unsharded_param is not None):
             # the unsharded parameter was built for another shard object: build it anew
-            self.free_unsharded()
-            self.unsharded_param, self._gather_target = None, None
-            self.extension = None
+            self.form.free(self)
+            self.unsharded_param, self.form = None, self._plain_form()
         if not protocol:
             refuse_without_protocol(local, self.fqn)
             self._plain_source = local
-            return None
+            return
         mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
         outer = (self.unsharded_shape, contiguous_strides(self.unsharded_shape))
         codec = None if own else self.wire
-        self.extension = GatherExtension(local, self.fqn, mesh, outer, self.places[0].module, self.mp_policy, codec)
-        return self.extension
-
-    def gather_widths(self) -> list[int]:
-        """Bytes this rank sends per column of the group's all-gather: one per extension input."""
-        if self.extension is not None:
-            return self.extension.widths
-        return [self.padded_numel * self.gather_element_size]
+        extension = GatherExtension(local, self.fqn, mesh, outer, self.places[0].module, self.mp_policy, codec)
+        self.form = Extended(extension)
 
     def gather_nbytes(self) -> int:
         """Bytes this rank sends per all-gather: what the protocol sent last, or what a quantized wire
@@ -248,90 +230,22 @@ class ShardedParam:
         codec_only = self.wire is not None and not has_protocol(local, f"the shard of parameter '{self.fqn}'")
         if fresh and codec_only and local.device.type != "meta":
             with torch.no_grad():
-                extension = self._extension_for(local)
-                if extension is not None:
-                    extension.pieces(local, self.rows_per_rank, self.local_rows, self.layout.compute_device)
-        return sum(self.gather_widths())
+                self.choose_form(local)
+                self.form.pieces(self, local)
+        return sum(self.form.widths(self))
 
-    def gather_targets(self) -> list[torch.Tensor]:
-        """The (world, width) copy-out targets of ``gather_widths``'s columns, given storage."""
-        if self.extension is not None:
-            return self.extension.targets(self.world_size, self.layout.compute_device)
-        return [self.alloc_unsharded()]
-
-    def _as_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+    def as_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
+        """A plain shard's bytes, then the zero padding up to the padded row count."""
         pieces = [local.reshape(-1).view(torch.uint8)]
         if self._padding.numel():
             pieces.append(self._padding.view(torch.uint8))
         return pieces
 
-    # ----- communication layout: collectives see the shard dim first (``placement.py`` moves it) ----
-    def to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def from_comm(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def finish_copy_out(self, slice_follows: bool = True) -> None:
-        """After the group's copy-out: the extension protocol builds or refreshes the parameter from
-        what was gathered (``slice_follows``: a ``reshard_after_forward=<int>`` slice is cut from it)."""
-        extension = self.extension
-        if extension is None:
-            return
-        built = extension.post(self.unsharded_param, self.layout.gather_dtype, slice_follows=slice_follows)
-        if built is not None:
-            shape = self.unsharded_shape
-            tensor = torch.as_strided(built, shape, contiguous_strides(shape), 0)
-            self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
-            if self.requires_grad and self.on_grad_accumulated is not None:
-                self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
-
-    def gathered_rows(self) -> list[torch.Tensor]:
-        """The gathered ``(world, bytes)`` columns while unsharded (what a post-forward slice keeps)."""
-        return self.gather_targets()
-
     # ----- unsharded side ---------------------------------------------------------------
-    def _create_unsharded(self) -> None:
-        storage_owner = self._zeros(self.world_size * self.padded_numel, self.layout.compute_device)
-        local = alias(storage_owner, self.unsharded_shape, contiguous_strides(self.unsharded_shape))
-        if self.tp_spec is not None:  # the module expects its TP DTensor back
-            local = DTensor(local, self.tp_spec, requires_grad=self.requires_grad)
-        self.unsharded_param = nn.Parameter(local, requires_grad=self.requires_grad)
-        self._gather_target = alias(storage_owner, (self.world_size, self.padded_numel), (self.padded_numel, 1)).view(
-            torch.uint8
-        )
+    def new_unsharded(self, tensor: torch.Tensor) -> None:
+        """Make ``tensor`` the unsharded parameter (the module's TP DTensor around it under tensor parallel)."""
+        if self.tp_spec is not None:
+            tensor = DTensor(tensor, self.tp_spec, requires_grad=self.requires_grad)
+        self.unsharded_param = nn.Parameter(tensor, requires_grad=self.requires_grad)
         if self.requires_grad and self.on_grad_accumulated is not None:
             self.unsharded_param.register_post_accumulate_grad_hook(self.on_grad_accumulated)
-
-    def alloc_unsharded(self) -> torch.Tensor:
-        """Give the unsharded parameter storage again; return the (world, bytes) copy-out target."""
-        if self.unsharded_param is None:
-            self._create_unsharded()
-        storage = self._gather_target.untyped_storage()
-        if storage.nbytes() != self._gather_target.numel():
-            storage.resize_(self._gather_target.numel())
-        return self._gather_target
-
-    def alloc_unsharded_rows(self, ranks: int) -> torch.Tensor:
-        """``alloc_unsharded()``'s first ``ranks`` rows: every row the parameter reads."""
-        return self.alloc_unsharded()[:ranks]
-
-    def free_unsharded(self) -> None:
-        if self.extension is not None:
-            self.extension.free()
-        elif self._gather_target is not None:
-            self._gather_target.untyped_storage().resize_(0)
-
-    def unsharded_nbytes(self) -> int:
-        """Bytes the unsharded storage holds now (0 when resharded)."""
-        if self.extension is not None:
-            return self.extension.nbytes()
-        if self._gather_target is None:
-            return 0
-        return self._gather_target.untyped_storage().nbytes()
-
-    def use(self, unsharded: bool) -> None:
-        """Register the sharded or the unsharded parameter everywhere it lives."""
-        param = self.unsharded_param if unsharded else self.sharded_param
-        for place in self.places:
-            place.module._parameters[place.name] = param

@@ -57,7 +57,7 @@ def _gather_bytes(
     dtypes = [_value_dtype(p, as_module) for p in params]
     pieces, widths = [], []
     for p, dtype in zip(params, dtypes):
-        local = p.to_comm(p.local_tensor()).reshape(-1).to(p.layout.compute_device, dtype)
+        local = p.form.to_comm(p.local_tensor()).reshape(-1).to(p.layout.compute_device, dtype)
         pad = p.padded_numel - p.local_numel
         pieces.append((torch.cat([local, local.new_zeros(pad)]) if pad else local).view(torch.uint8))
         widths.append(pieces[-1].numel())
@@ -80,7 +80,7 @@ def _gather_bytes(
     result, offset = [], 0
     for p, dtype, width in zip(params, dtypes, widths):
         padded = torch.cat([row[offset : offset + width] for row in rows]).view(dtype)
-        full = p.from_comm(padded[: math.prod(p.comm_shape)].view(p.comm_shape)).contiguous()
+        full = p.form.from_comm(padded[: math.prod(p.comm_shape)].view(p.comm_shape)).contiguous()
         if p.tp_spec is not None:
             full = DTensor(full, p.tp_spec, requires_grad=False)
             full = full if as_module else full.full_tensor()

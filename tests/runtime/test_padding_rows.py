@@ -14,8 +14,8 @@ from torch.distributed.tensor import Shard
 from fsdp_compose import fully_shard
 from fsdp_compose.comm import TRANSPORT_ENV
 from fsdp_compose.runtime.collectives import SCATTER_METHOD
-from fsdp_compose.runtime.params import ShardedParam
 from fsdp_compose.runtime.state import states_in
+from fsdp_compose.runtime.unsharded import Aliased
 from tests.harness import run_on_ranks
 from tests.test_edge_inputs import _parity
 
@@ -96,18 +96,18 @@ class Tiny(nn.Module):
 def _short_copy_out(transport: str) -> tuple[float, int]:
     """Parity, and how many copy-outs wrote only the data ranks' rows."""
     calls = [0]
-    original = ShardedParam.alloc_unsharded_rows
+    original = Aliased.targets
 
-    def counting(param, ranks):
-        calls[0] += 1
-        return original(param, ranks)
+    def counting(form, param, ranks=None):
+        calls[0] += ranks is not None
+        return original(form, param, ranks)
 
-    ShardedParam.alloc_unsharded_rows = counting
+    Aliased.targets = counting
     os.environ[TRANSPORT_ENV] = transport
     try:
         worst = _parity(Tiny, _step, shard=lambda m: (fully_shard(m.a), fully_shard(m)))
     finally:
-        ShardedParam.alloc_unsharded_rows = original
+        Aliased.targets = original
         del os.environ[TRANSPORT_ENV]
     return worst, calls[0]
 
