@@ -1,5 +1,5 @@
-"""Pre- and post-forward hooks, the root's lazy initialization, and the identity a pre-forward
-puts on a module's inputs so that backward can tell when the module's own backward is done."""
+"""Pre- and post-forward hooks, the root's lazy init, the identity on a module's inputs that tells backward
+when the module's own backward is done, and a sharded call running the hooks directly (``call_sharded``)."""
 
 from __future__ import annotations
 
@@ -192,7 +192,7 @@ def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
 
 
 # what fully_shard registers as the module's hooks: nn.Module's general hook loop calls them, also
-# inside a torch.compile region; the eager fast path (call.py) calls the undecorated functions
+# inside a torch.compile region; the eager fast path (call_sharded, below) calls the undecorated functions
 pre_forward_hook = not_traced(pre_forward)
 post_forward_hook = not_traced(post_forward)
 
