@@ -290,16 +290,16 @@ def fully_shard(
         groups.append((group_mesh, sharded, device, post_forward_ranks))
 
     # Nothing above changed the model; from here on, commit.
+    reshards = True if forward_reshards is None else forward_reshards
+    options = dict(reshard_after_forward=reshards, reshard_after_forward_chosen=reshard_after_forward_chosen)
     states = [
-        _build_state(modules, group_mesh, sharded, device, post_forward_ranks, mp_policy)
+        _build_state(modules, group_mesh, sharded, device, post_forward_ranks, dict(options, mp_policy=mp_policy))
         for group_mesh, sharded, device, post_forward_ranks in groups
     ]
     state = states[0]
     state.companions = states[1:]
-    for s in states:
-        s.reshard_after_forward = True if forward_reshards is None else forward_reshards
-        s.reshard_after_forward_chosen = reshard_after_forward_chosen
-        s.primary = state if s is not state else None
+    for s in state.companions:  # the one link a state cannot have at construction: they are built together
+        s.primary = state
     install_optimizer_check()
     install_pipelining()  # a no-op unless the program imported torch.distributed.pipelining
     register_state(state)
@@ -326,7 +326,7 @@ def _build_state(
     sharded: dict[nn.Parameter, ShardedParam],
     device: torch.device,
     post_forward_ranks: int | None,
-    mp_policy: MixedPrecisionPolicy,
+    options: dict,
 ) -> GroupState:
     """One group of a call (the parameters on one mesh) and its state; marks its parameters as its own."""
     all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
@@ -335,7 +335,7 @@ def _build_state(
     if post_forward_ranks is not None:
         post_forward = PostForward(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
     group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), comm, post_forward)
-    state = GroupState(modules=modules, group=group, reshard_after_forward=True, mp_policy=mp_policy)
+    state = GroupState(modules=modules, group=group, **options)  # the call's options, shared by its groups
     for index, (original, sp) in enumerate(sharded.items()):
         sp.on_grad_accumulated = partial(on_grad_accumulated, state, index)  # a post-accumulate-grad hook
         use(sp, unsharded=False)

@@ -221,7 +221,7 @@ class FSDPModuleSettings:
             )
         if not callable(getattr(event, "wait", None)):
             raise self._error(f"set_post_optim_event: expected a torch.Event, got {type(event).__name__}", TypeError)
-        for s in state.call_states:
+        for s in self._fsdp_states(recurse=False):
             s.group.comm.post_optim_event = event
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:

@@ -130,15 +130,16 @@ def queue_reductions(root: RootState, state: GroupState, issues: list) -> None:
     next all-gather's handshake (``issue_reductions`` follows it) or the end of backward covers them."""
     root.unissued.append((state, issues))
     if not root.ledgers.awaiting():
-        issue_reductions(root)
+        issue_reductions(root, flush=False)  # no round to close: no second scan of the ledgers
 
 
-def issue_reductions(root: RootState) -> None:
+def issue_reductions(root: RootState, flush: bool = True) -> None:
     """Close the rounds the queued reduce-scatters were logged in (gloo), issue them, and wait for the oldest
     reductions beyond the limit (it bounds their memory)."""
     if not root.unissued:
         return
-    root.ledgers.flush()
+    if flush:
+        root.ledgers.flush()
     queued, root.unissued = root.unissued, []
     for state, issues in queued:
         for issue in issues:
