@@ -1,7 +1,7 @@
 """Benchmark: what each CPU fast path of the hooks saves (issue 23, ask 5).
 
     python benchmarks/bench_fast_paths.py                 # 48 groups, every fast path
-    python benchmarks/bench_fast_paths.py --groups 12,192 --only call_impl_bypass
+    python benchmarks/bench_fast_paths.py --groups 12,192 --only grad_off
 
 A fast path is a second way of doing what a general mechanism already does (``nn.Module``'s hook
 loop, pytree, ``torch.no_grad``, an ``autograd.Function``...), kept only because it is cheaper.
@@ -49,20 +49,8 @@ class Rewrite:
     new: str
 
 
-@dataclass(frozen=True)
-class Swap:
-    """``name`` (``module:name``), a module-level name, becomes ``value`` in that module alone."""
-
-    function: str
-    value: object
-
-
 # name -> (what the path replaces, the rewrites that switch it off)
-FAST_PATHS: dict[str, tuple[str, list[Rewrite | Swap]]] = {
-    "call_impl_bypass": (
-        "nn.Module._call_impl's hook loop, when only our two hooks would run",
-        [Swap("fsdp_compose.module:dynamo_frame_callback", lambda: "as if compiling")],
-    ),
+FAST_PATHS: dict[str, tuple[str, list[Rewrite]]] = {
     "grad_off": (
         "torch.no_grad() around copy-in, copy-out and the reduce-scatter",
         [Rewrite("fsdp_compose.runtime.group:ParamGroup.start_unshard", "grad_off()", "torch.no_grad()"),
@@ -169,13 +157,7 @@ def switched_off(path: str | None):
     by_function: dict[str, list[Rewrite]] = {}
     saved = []
     for edit in FAST_PATHS[path][1]:
-        if isinstance(edit, Swap):
-            module_name, name = edit.function.split(":")
-            module = sys.modules[module_name]
-            saved.append((module, name, getattr(module, name)))
-            setattr(module, name, edit.value)
-        else:
-            by_function.setdefault(edit.function, []).append(edit)
+        by_function.setdefault(edit.function, []).append(edit)
     for function, edits in by_function.items():
         owner, name, fn = _resolve(function)
         original = owner.__dict__[name]

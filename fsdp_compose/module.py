@@ -9,8 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .module_settings import FSDPModuleSettings
-from .runtime.hooks.forward import call_sharded, sole_hooks_state
-from .runtime.hooks.not_traced import dynamo_frame_callback, frame_not_traced
+from .runtime.hooks.not_traced import frame_not_traced
 from .runtime.refresh import follow_module
 from .runtime.state import INTERFACE_MARK, GroupState, class_name, state_of, states_in, user_class
 
@@ -56,13 +55,9 @@ class FSDPModule(FSDPModuleSettings):
 
     @frame_not_traced
     def _call_impl(self, *args, **kwargs):
-        """``nn.Module``'s call, minus its general hook loop when only fully_shard's hooks would run
-        (``runtime/hooks/forward.py``); inside a torch.compile region always the general loop, whose
-        hooks dynamo does not trace (``runtime/hooks/not_traced.py``)."""
-        state = sole_hooks_state(self) if dynamo_frame_callback() is None else None
-        if state is None:
-            return super()._call_impl(*args, **kwargs)
-        return call_sharded(self, state, args, kwargs)
+        """``nn.Module``'s call, in a frame dynamo does not trace: a compiled block starts compiling at
+        its ``forward`` (``runtime/hooks/not_traced.py``)."""
+        return super()._call_impl(*args, **kwargs)
 
     def _fsdp_state(self) -> GroupState:
         state = state_of(self)

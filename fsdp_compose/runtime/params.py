@@ -140,17 +140,38 @@ class ShardedParam:
                 tp_mesh, tp_placements = self.tp_spec.mesh, self.tp_spec.placements
                 full = distribute_tensor(full.detach(), tp_mesh, tp_placements, src_data_rank=None)._local_tensor
         start, end = self.row_range
-        device = self.layout.storage_device
-        if device.type == "meta":
-            device = full.device
         if not is_wrapper_subclass(full):
-            local = full.detach().narrow(self.shard_dim, start, end - start)
-            local = local.to(device, memory_format=torch.contiguous_format, copy=True)  # one copy, on any device
+            return self.placed(full.detach().narrow(self.shard_dim, start, end - start))
+        device = full.device if self.layout.storage_device.type == "meta" else self.layout.storage_device
+        local = shard_subclass(full, self.fqn, self.shard_dim, self.world_size, self.rank, self.local_shape, device)
+        return local.pin_memory() if self.layout.pin_memory and local.device.type == "cpu" else local
+
+    def placed(self, local: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of ``local`` where shards live (pinned under offload); meta shards (before
+        ``to_empty``) keep ``local``'s device."""
+        device = local.device if self.layout.storage_device.type == "meta" else self.layout.storage_device
+        local = local.detach().to(device, memory_format=torch.contiguous_format, copy=True)  # one copy, on any device
+        return local.pin_memory() if self.layout.pin_memory and local.device.type == "cpu" else local
+
+    def as_shard(self, value: torch.Tensor) -> DTensor:
+        """``value`` (a full tensor, or a DTensor of any layout) laid out like the shard: the one way
+        loading and replacement turn a value into a shard. A DTensor laid out like it already is
+        returned as is where its local tensor could be the shard; anything else becomes a copy."""
+        target = self.sharded_param
+        if isinstance(value, DTensor) and value.device_mesh == target.device_mesh:
+            local, storage = value._local_tensor, self.layout.storage_device
+            if tuple(value.placements) == tuple(target.placements):
+                ours = (storage.type == "meta" or local.device == storage) and local.shape == self.local_shape
+                if ours and local.is_contiguous():
+                    return value
+                local = self.placed(local)
+            else:
+                local = self.placed(value.redistribute(target.device_mesh, target.placements)._local_tensor)
         else:
-            local = shard_subclass(full, self.fqn, self.shard_dim, self.world_size, self.rank, self.local_shape, device)
-        if self.layout.pin_memory and local.device.type == "cpu":
-            local = local.pin_memory()
-        return local
+            local = self.shard_of(value.full_tensor() if isinstance(value, DTensor) else value)
+        return DTensor.from_local(
+            local, target.device_mesh, target.placements, run_check=False, shape=self.shape, stride=target.stride()
+        )
 
     def zeros(self, numel: int, device: torch.device) -> torch.Tensor:
         return torch.zeros(numel, dtype=self.layout.gather_dtype, device=device)

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ..policies import collective_dtypes
-from .param_layout import ParamLayout, contiguous_strides
+from .param_layout import ParamLayout
 from .params import ShardedParam
 from .state import GroupState, class_name, register_owner
 
@@ -76,39 +76,20 @@ def _as_shard(state: GroupState, p: ShardedParam, new: torch.Tensor) -> nn.Param
             f"{where} was replaced by a tensor of shape {tuple(new.shape)} after fully_shard sharded it "
             f"with shape {tuple(p.shape)}; a replacement must keep the shape"
         )
-    with torch.no_grad():
-        if isinstance(new, DTensor):
-            if new.device_mesh != target.device_mesh:
-                raise ValueError(
-                    f"{where} was replaced by a DTensor on {new.device_mesh}; pass a plain tensor of the "
-                    f"full shape or a DTensor on the shard's mesh {target.device_mesh}"
-                )
-            same_layout = tuple(new.placements) == tuple(target.placements)
-            storage, local = p.layout.storage_device, new._local_tensor
-            placed = storage.type == "meta" or local.device == storage
-            ours = placed and local.shape == p.local_shape and local.is_contiguous()
-            if same_layout and isinstance(new, nn.Parameter) and ours:
-                return new  # already a shard like ours: keep the user's object (torch does too)
-            local = new if same_layout else new.redistribute(target.device_mesh, target.placements)
-            device = new.device if storage.type == "meta" else storage
-            local = local._local_tensor.detach().to(device, memory_format=torch.contiguous_format, copy=True)
-            if p.layout.pin_memory:
-                local = local.pin_memory()
-        elif p.tp_spec is not None:
-            raise ValueError(
-                f"{where} is tensor-parallel and was replaced by a plain tensor; replace it by a "
-                f"DTensor on {target.device_mesh}"
-            )
-        else:
-            local = p.shard_of(new)
-        shard = DTensor.from_local(
-            local,
-            target.device_mesh,
-            target.placements,
-            run_check=False,
-            shape=p.shape,
-            stride=contiguous_strides(p.shape),
+    if isinstance(new, DTensor) and new.device_mesh != target.device_mesh:
+        raise ValueError(
+            f"{where} was replaced by a DTensor on {new.device_mesh}; pass a plain tensor of the "
+            f"full shape or a DTensor on the shard's mesh {target.device_mesh}"
         )
+    if not isinstance(new, DTensor) and p.tp_spec is not None:
+        raise ValueError(
+            f"{where} is tensor-parallel and was replaced by a plain tensor; replace it by a DTensor "
+            f"on {target.device_mesh}"
+        )
+    with torch.no_grad():
+        shard = p.as_shard(new)
+    if shard is new and isinstance(new, nn.Parameter):
+        return new  # already a shard like ours: keep the user's object (torch does too)
     shard = nn.Parameter(shard, requires_grad=new.requires_grad)
     return _in_place_of(new, shard) if isinstance(new, DTensor) else shard
 
@@ -122,4 +103,3 @@ def _in_place_of(new: DTensor, shard: nn.Parameter) -> nn.Parameter:
     except RuntimeError:
         return shard
     return new
-

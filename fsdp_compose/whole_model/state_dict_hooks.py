@@ -13,26 +13,11 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from ..runtime.params import ShardedParam
 from ..runtime.refresh import follow_module
 from ..runtime.state import GroupState
 from .model_groups import check_idle
-
-
-def shard_like(value: torch.Tensor, p: ShardedParam) -> DTensor:
-    """``value`` (a full tensor, or a DTensor of any layout) laid out exactly like ``p``'s shard."""
-    target = p.sharded_param
-    if isinstance(value, DTensor):
-        if value.device_mesh == target.device_mesh:
-            if tuple(value.placements) == tuple(target.placements):
-                return value
-            return value.redistribute(target.device_mesh, target.placements)
-        value = value.full_tensor()
-    return DTensor.from_local(
-        p.shard_of(value), target.device_mesh, target.placements, run_check=False, shape=p.shape, stride=target.stride()
-    )
 
 
 def _keys_by_param(state: GroupState, module: nn.Module) -> list[tuple[ShardedParam, list[str]]]:
@@ -66,7 +51,7 @@ def _on_load_state_dict(state: GroupState, keys: list, module: nn.Module, state_
             value = state_dict.get(prefix + name)
             if not isinstance(value, torch.Tensor) or value.shape != p.shape:
                 continue  # nn.Module reports missing keys and size mismatches by name
-            state_dict[prefix + name] = shard_like(value, p)
+            state_dict[prefix + name] = p.as_shard(value)
 
 
 def register_state_dict_hooks(state: GroupState, module: nn.Module) -> None:
