@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 
 from .module_settings import FSDPModuleSettings
-from .runtime.hooks.not_traced import frame_not_traced
+from .runtime.hooks.forward import frame_not_traced
 from .runtime.refresh import follow_module
 from .runtime.state import INTERFACE_MARK, GroupState, class_name, state_of, states_in, user_class
 
@@ -56,7 +56,7 @@ class FSDPModule(FSDPModuleSettings):
     @frame_not_traced
     def _call_impl(self, *args, **kwargs):
         """``nn.Module``'s call, in a frame dynamo does not trace: a compiled block starts compiling at
-        its ``forward`` (``runtime/hooks/not_traced.py``)."""
+        its ``forward`` (``runtime/hooks/forward.py``)."""
         return super()._call_impl(*args, **kwargs)
 
     def _fsdp_state(self) -> GroupState:

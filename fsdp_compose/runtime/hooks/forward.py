@@ -4,12 +4,19 @@ when the module's own backward is done."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
+from torch._C._dynamo.eval_frame import (
+    _FrameAction,
+    _FrameExecStrategy,
+    get_eval_frame_callback,
+    set_code_exec_strategy,
+)
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_leaves, tree_unflatten
 
 from ..refresh import follow_module
@@ -22,7 +29,6 @@ from ..schedule import (
 )
 from ..state import FORWARD, IDLE, IN_BACKWARD, GroupState, RootState, class_name, states_in
 from .backward import PostBackwardSignal, inputs_done_hook, pre_backward_hook
-from .not_traced import not_traced
 
 
 def is_tensor_leaf(x: object) -> bool:
@@ -190,8 +196,48 @@ def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
         x.register_hook(hook)
 
 
+# ----- keeping torch.compile (dynamo) out of a sharded module's call and fully_shard's hooks -----------
+# The hooks issue collectives and keep Python state, nothing a graph can hold, so they run eagerly and
+# only what they call (the module's ``forward``) is compiled. ``FSDPModule._call_impl`` is
+# ``frame_not_traced`` (a compiled block starts compiling at ``forward``; from a compiled caller it is a
+# graph break); the hooks are ``not_traced``. Only dynamo's C entry points are used: ``import
+# fsdp_compose`` stays light.
+
+F = TypeVar("F", bound=Callable)
+
+# set (not None) while torch.compile runs a compiled region; a C function, so a frame dynamo
+# skips can call it without starting a frame dynamo would trace
+dynamo_frame_callback = get_eval_frame_callback
+
+
+def frame_not_traced(fn: F) -> F:
+    """Dynamo does not trace ``fn``'s own frame (the mark ``skip`` sets, on the code object) but compiles
+    the frames it calls; a call from a traced frame is a graph break, explained in dynamo's logs."""
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+    fn._torchdynamo_disable = True
+    fn._torchdynamo_disable_msg = "fsdp_compose: a sharded module's call and hooks run eagerly"
+    return fn
+
+
+def not_traced(fn: F) -> F:
+    """``fn`` as a function dynamo never traces, nor anything it calls (``torch._dynamo.disable`` inside
+    a compiled region, a direct call outside one)."""
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def run_eagerly(*args, **kwargs):
+        if dynamo_frame_callback() is None:
+            return fn(*args, **kwargs)
+        if not disabled:
+            import torch._dynamo
+
+            disabled.append(torch._dynamo.disable(fn, recursive=True, reason="fsdp_compose's hooks run eagerly"))
+        return disabled[0](*args, **kwargs)
+
+    return frame_not_traced(run_eagerly)
+
+
 # what fully_shard registers as the module's hooks: nn.Module's hook loop calls them, also inside a
 # torch.compile region
 pre_forward_hook = not_traced(pre_forward)
 post_forward_hook = not_traced(post_forward)
-
