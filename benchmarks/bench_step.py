@@ -2,7 +2,7 @@
 
     python benchmarks/bench_step.py            # ws 2, GPT ~34M params, batch 4x128, 1 thread/rank
     python benchmarks/bench_step.py --check-off   # also ours without the divergence handshake: its cost
-    python benchmarks/bench_step.py --transport-shm   # also ours with FSDP_COMPOSE_TRANSPORT=shm
+    python benchmarks/bench_step.py --transport-shm   # also ours through fsdp_compose_shm.use_shm
     python benchmarks/bench_step.py --quantized int8  # also bf16 mixed precision: torch, ours, ours with
                                                       # quantize_all_gather, compute-only in bf16 (issue 25)
 
@@ -41,12 +41,11 @@ from gpt import GPT, lm_loss, synthetic_batch  # noqa: E402
 import fsdp_compose_shm as shm_transport  # noqa: E402
 from benchmarks.bench_model import CONFIG, bf16_compute, bf16_policy, shard  # noqa: E402
 from benchmarks.common import add_step_args, count_bytes, reset_peak_rss, rss_bytes, spawn_ranks  # noqa: E402
-from fsdp_compose.comm import TRANSPORT_ENV  # noqa: E402
 from fsdp_compose.extras.observe.storage import StorageTracker  # noqa: E402
-from fsdp_compose_shm import segment_bytes  # noqa: E402
+from fsdp_compose_shm import segment_bytes, use_shm  # noqa: E402
 
 OURS_UNCHECKED = "ours, checks off"  # --check-off: ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved
-OURS_SHM = "ours, shm"  # --transport-shm: ours sharded with FSDP_COMPOSE_TRANSPORT=shm, interleaved
+OURS_SHM = "ours, shm"  # --transport-shm: ours, then use_shm on the model, interleaved
 # --quantized DTYPE: four more kinds, interleaved, all bf16 mixed precision (params bf16, reduce fp32)
 TORCH_BF16 = "torch, bf16"
 OURS_BF16 = "ours, bf16"
@@ -79,20 +78,24 @@ def make_runner(kind: str, base: GPT, args=None):
         from fsdp_compose import fully_shard
 
         shard(model, fully_shard)
-    elif kind in (OURS_UNCHECKED, OURS_SHM):  # both are read when fully_shard runs
+    elif kind == OURS_SHM:
+        from fsdp_compose import fully_shard
+
+        shard(model, fully_shard)
+        use_shm(model)
+    elif kind == OURS_UNCHECKED:  # read when fully_shard runs
         from fsdp_compose import fully_shard
         from fsdp_compose.runtime.handshake import CHECK_ENV
 
-        name, value = (CHECK_ENV, "0") if kind == OURS_UNCHECKED else (TRANSPORT_ENV, "shm")
-        before = os.environ.get(name)
-        os.environ[name] = value
+        before = os.environ.get(CHECK_ENV)
+        os.environ[CHECK_ENV] = "0"
         try:
             shard(model, fully_shard)
         finally:
             if before is None:
-                del os.environ[name]
+                del os.environ[CHECK_ENV]
             else:
-                os.environ[name] = before
+                os.environ[CHECK_ENV] = before
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     state = {"step": 0}
 
@@ -276,7 +279,7 @@ def print_shm(per_rank, t, cpu, live, mib) -> None:
     shm_cpu = statistics.median(per_rank[0][OURS_SHM]["cpu"])
     segments = max(r[OURS_SHM]["segments"] for r in per_rank)
     shm_live = max(r[OURS_SHM]["live"] + r[OURS_SHM]["segments"] for r in per_rank)
-    print(f"(g) ours with FSDP_COMPOSE_TRANSPORT=shm: step {shm:.3f}s  "
+    print(f"(g) ours with fsdp_compose_shm.use_shm: step {shm:.3f}s  "
           f"shm/torch = {shm / t['torch']:.3f} (target <= 0.80)  "
           f"shm/compute = {shm / t['compute']:.3f} (target <= 1.08)  shm/ours-gloo = {shm / t['ours']:.3f}")
     print(f"    CPU seconds per step (rank 0, all threads): shm {shm_cpu:.3f}  ours-gloo {cpu['ours']:.3f}  "
@@ -361,7 +364,7 @@ def main() -> None:
     parser.add_argument("--check-off", action="store_true",
                         help="also run ours with FSDP_COMPOSE_CHECK_ORDER=0, interleaved, and print default/off")
     parser.add_argument("--transport-shm", action="store_true",
-                        help="also run ours with FSDP_COMPOSE_TRANSPORT=shm, interleaved, and print its ratios")
+                        help="also run ours through fsdp_compose_shm.use_shm, interleaved, and print its ratios")
     parser.add_argument("--quantized", choices=["int8", "float8_e4m3fn"],
                         help="also run bf16 mixed precision, interleaved: torch FSDP2, ours, ours with "
                         "quantize_all_gather(model, torch.DTYPE) and compute-only in bf16 (issue 25)")

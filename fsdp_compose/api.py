@@ -10,7 +10,6 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from .comm import default_comms
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .optimizer_check import install_optimizer_check, mark_ignored
@@ -329,8 +328,7 @@ def _build_state(
     options: dict,
 ) -> GroupState:
     """One group of a call (the parameters on one mesh) and its state; marks its parameters as its own."""
-    all_gather, reduce_scatter = default_comms()  # reads FSDP_COMPOSE_TRANSPORT
-    comm = CommOptions(all_gather=all_gather, reduce_scatter=reduce_scatter)
+    comm = CommOptions()  # the process group's own collectives until set_custom_* swaps them
     post_forward = None
     if post_forward_ranks is not None:
         post_forward = PostForward(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))

@@ -5,25 +5,21 @@ communication buffers and runs the collective, so a user can choose where buffer
 memory pool, a persistent buffer) and how the bytes move (another process group, a
 compressed transport: ``FSDPModule.set_custom_all_gather`` / ``set_custom_reduce_scatter``).
 A group's defaults are objects of it too: ``DefaultAllGather`` / ``DefaultReduceScatter`` call
-the process group directly, and ``default_comms`` swaps in opt-in ones (the package
-``fsdp_compose_shm``, beside this one, with ``FSDP_COMPOSE_TRANSPORT=shm``).
+the process group directly. The core names no transport: an opt-in one (the package
+``fsdp_compose_shm``, beside this one) is installed by its own function through those setters.
 Subclassing is optional: any object with these methods works.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 
-from .runtime.collectives import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER, DirectAllGather, DirectReduceScatter
-
-TRANSPORT_ENV = "FSDP_COMPOSE_TRANSPORT"
+from .runtime.collectives import DirectAllGather, DirectReduceScatter
 
 
 class Comm(ABC):
@@ -106,18 +102,6 @@ class ProcessGroupAllGather(ProcessGroupAllocated, DefaultAllGather):
 
 class ProcessGroupReduceScatter(ProcessGroupAllocated, DefaultReduceScatter):
     pass
-
-
-def default_comms() -> tuple[AllGather, ReduceScatter]:
-    """The collectives ``fully_shard`` gives a group, by ``FSDP_COMPOSE_TRANSPORT``: unset, ``gloo`` or
-    ``default``, the process group's own; ``shm``, ``fsdp_compose_shm``'s (a plugin: imported by name).
-    Any other value is refused: a typo would otherwise train silently without the transport."""
-    value = os.environ.get(TRANSPORT_ENV, "")
-    if value == "shm":
-        return importlib.import_module("fsdp_compose_shm").comms()
-    if value not in ("", "gloo", "default"):
-        raise ValueError(f"{TRANSPORT_ENV}={value!r}: expected gloo, default, shm or unset (docs/cpu-transport.md)")
-    return DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
 
 
 __all__ = ["Comm", "AllGather", "ReduceScatter", "DefaultAllGather", "DefaultReduceScatter"]

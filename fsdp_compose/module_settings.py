@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 from typing_extensions import deprecated
 
-from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm, default_comms
+from .comm import AllGather, ProcessGroupAllGather, ProcessGroupReduceScatter, ReduceScatter, check_comm
+from .runtime.collectives import DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
 from .runtime.schedule import end_step, reset_backward
 from .runtime.state import GroupState, class_name, state_of, states_in
 
@@ -254,7 +255,7 @@ class FSDPModuleSettings:
     def _allocate_from_process_group(self, group, enable: bool) -> None:
         if not enable:
             if group.comm.pg_allocation:
-                group.comm.all_gather, group.comm.reduce_scatter = default_comms()
+                group.comm.all_gather, group.comm.reduce_scatter = DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
                 group.comm.pg_allocation = False
             return
         if group.comm.custom:

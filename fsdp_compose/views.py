@@ -4,24 +4,19 @@ Read-only views of the runtime: the state of a module or parameter, the state cl
 functions, which ``explain`` runs on a scratch ``RootState`` to replay a step, never on a model's. Plus the
 two entries an extra plugs in through: a parameter's gather codec, and putting idle groups back in sharded
 form before a whole-model operation. For a transport (``fsdp_compose_shm``): the default collectives it
-falls back to, how they are issued and waited, and the agreement's names for a collective. Whatever an extra
-needs of the core is added here, so the core can change behind it.
+falls back to, and how a collective is issued and waited. Whatever an extra needs of the core is added here,
+so the core can change behind it.
 """
 
-from .comm import TRANSPORT_ENV
 from .runtime.collectives import (
     ASYNC_ALL_GATHER,
     COMPLETED,
     DIRECT_ALL_GATHER,
     DIRECT_REDUCE_SCATTER,
     GATHER_METHOD,
-    DirectAllGather,
-    DirectReduceScatter,
-    python_free_tls,
     wait_named,
 )
 from .runtime.extensions import set_gather_codec
-from .runtime.handshake import ALL_GATHER, KINDS, MAGIC, REDUCE_SCATTER, diverged_message
 from .runtime.schedule import (
     backward_prefetch_targets,
     end_backward,
@@ -47,19 +42,10 @@ __all__ = [
     "reshards_after_forward",
     "set_gather_codec",
     "reshard_idle",
-    "TRANSPORT_ENV",
     "DIRECT_ALL_GATHER",
     "DIRECT_REDUCE_SCATTER",
-    "DirectAllGather",
-    "DirectReduceScatter",
     "GATHER_METHOD",
     "ASYNC_ALL_GATHER",
     "COMPLETED",
-    "python_free_tls",
     "wait_named",
-    "MAGIC",
-    "KINDS",
-    "ALL_GATHER",
-    "REDUCE_SCATTER",
-    "diverged_message",
 ]

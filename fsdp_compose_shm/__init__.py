@@ -2,16 +2,14 @@
 
 gloo moves CPU tensors through TCP loopback, tens of milliseconds of CPU for 32 MiB where a copy
 costs a few. ``ShmAllGather`` / ``ShmReduceScatter`` are ``Comm``-protocol objects that
-``fully_shard`` gives its groups while ``FSDP_COMPOSE_TRANSPORT=shm`` is set (alike on every
-rank); where a process group's ranks share one host and its tensors are on the CPU they move the
-bytes through files under ``/dev/shm``, elsewhere they call the process group. docs/cpu-transport.md
-describes set-up, segments, chunks, growth, a full ``/dev/shm`` and the errors.
+``use_shm(model)`` gives every group of a sharded model (alike on every rank); where a process
+group's ranks share one host and its tensors are on the CPU they move the bytes through files under
+``/dev/shm``, elsewhere they call the process group. docs/cpu-transport.md describes set-up,
+segments, chunks, growth, a full ``/dev/shm`` and the errors.
 
 It is a package of its own, beside ``fsdp_compose``, because it is CPU-only machinery a job opts
-into: ``fsdp_compose.comm.default_comms`` imports it by name, only under
-``FSDP_COMPOSE_TRANSPORT=shm``, and gives its ``comms()`` to the groups; the core sees nothing but
-``Comm``-protocol objects and never imports this package, which uses only ``fsdp_compose``'s public names
-and ``fsdp_compose.views``.
+into: the core never names it, and it plugs in through the public ``set_custom_all_gather`` /
+``set_custom_reduce_scatter``, using only ``fsdp_compose``'s public names and ``fsdp_compose.views``.
 
 Each rank owns one segment in two halves; collective ``n`` on a group uses half ``n % 2``. A rank
 copies its contribution into its half, then a *sync* (a tiny gloo all-gather of ``[magic, kind,
@@ -37,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from fsdp_compose import AllGather, ExecutionOrderError, ReduceScatter, views
-from fsdp_compose.views import ALL_GATHER, KINDS, MAGIC, REDUCE_SCATTER, TRANSPORT_ENV, diverged_message
+from fsdp_compose import AllGather, ExecutionOrderError, FSDPModule, ReduceScatter, views
 
 CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
 DEFAULT_CHUNK = 8 << 20
@@ -49,6 +47,9 @@ _EXIT_GRACE_SECONDS = 0.1  # see _let_gloo_threads_finish
 _ALIGN = 4096  # halves start on page boundaries, so every dtype view is aligned
 _FIELDS = 5  # sync payload per rank: magic, kind, nbytes, generation, half size
 _NO_ROOM = -2  # the generation a rank sends when /dev/shm had no room for its contribution
+MAGIC = 0x4653_4450_5348_4D31  # first field of a sync: a rank in another all-gather of the same size is caught
+ALL_GATHER, REDUCE_SCATTER = 1, 2
+KINDS = {ALL_GATHER: "all-gather", REDUCE_SCATTER: "reduce-scatter"}
 
 
 @dataclass
@@ -161,7 +162,7 @@ class ShmTransport:
         self._gather(self._rows, mine, kind)
         rows = self._rows.view(self.world, _FIELDS)
         if not torch.equal(rows[:, :3], mine[:3].expand(self.world, 3)):
-            self._raise_disagreement(rows)
+            self._diverged(rows)
         if torch.equal(rows[:, 3:], self._known):
             return True
         if (rows[:, 3] == _NO_ROOM).any():
@@ -185,17 +186,17 @@ class ShmTransport:
         _transports[self.group] = None
         counters.fallbacks += 1
         warnings.warn(
-            f"{TRANSPORT_ENV}=shm: {SHM_DIR} has no room for the segment of rank(s) {full} of process group "
+            f"fsdp_compose_shm: {SHM_DIR} has no room for the segment of rank(s) {full} of process group "
             f"{self._ranks()} ({self.no_room or 'see that rank'}); the group uses gloo from now on. Enlarge "
             f"{SHM_DIR} (e.g. docker run --shm-size) to keep the transport",
             stacklevel=4,
         )
 
     def _gather(self, rows: torch.Tensor, mine: torch.Tensor, kind: int) -> None:
+        """The sync; like every collective of ours, issued inside the runtime's ``python_free_tls``."""
         counters.syncs += 1
         try:
-            with views.python_free_tls():
-                work = getattr(self.group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
+            work = getattr(self.group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
             if work is not None:
                 views.wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
@@ -205,16 +206,20 @@ class ShmTransport:
     def _ranks(self) -> list[int]:
         return dist.get_process_group_ranks(self.group)
 
-    def _raise_disagreement(self, rows: torch.Tensor) -> None:
-        lines, kinds = [], []
-        for rank, (magic, kind, nbytes, _, _) in zip(self._ranks(), rows.tolist()):
-            if magic != MAGIC or kind not in KINDS:
-                lines.append(f"  rank {rank}: <not a shared-memory collective>")
-            else:
-                lines.append(f"  rank {rank}: {KINDS[kind]} through {SHM_DIR}, {nbytes} bytes")
-                kinds.append(kind)
+    def _diverged(self, rows: torch.Tensor) -> None:
+        """Ranks contributed different kinds or sizes. On gloo the core's order check names the modules
+        before this with ``FSDP_COMPOSE_CHECK_ORDER`` on; off, reading a peer's half would give garbage."""
+        ranks = self._ranks()
+        lines = [
+            f"  rank {rank}: " + (f"{KINDS.get(kind, '?')}, {nbytes} bytes" if magic == MAGIC else "another collective")
+            for rank, (magic, kind, nbytes, _, _) in zip(ranks, rows.tolist())
+        ]
         self._abandon()
-        raise ExecutionOrderError(diverged_message(lines, kinds))
+        raise ExecutionOrderError(
+            f"Ranks {ranks} diverged in a shared-memory collective (fsdp_compose_shm): a rank skipped a sharded "
+            "module or a backward(), or ran them in another order; FSDP_COMPOSE_CHECK_ORDER=1 (the default) names "
+            "the modules:\n" + "\n".join(lines)
+        )
 
     def _abandon(self) -> None:
         """After a failed or diverged sync: unlink every file of this job, forget the group (a
@@ -280,29 +285,33 @@ def _completed(async_op: bool):
     return views.COMPLETED if async_op else None
 
 
-class ShmAllGather(views.DirectAllGather):
+def _empty(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.empty(size, dtype=dtype, device=device)
+
+
+class ShmAllGather(AllGather):
     """All-gather through ``/dev/shm`` where the process group allows it, else the process group's own."""
 
-    __slots__ = ()
+    allocate = staticmethod(_empty)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         transport = transport_for(group, output_tensor.device)
         if transport is None:
-            return super().__call__(output_tensor, input_tensor, group, async_op)
+            return views.DIRECT_ALL_GATHER(output_tensor, input_tensor, group, async_op)
         return transport.all_gather(output_tensor, input_tensor, async_op)
 
 
-class ShmReduceScatter(views.DirectReduceScatter):
+class ShmReduceScatter(ReduceScatter):
     """Sum reduce-scatter through ``/dev/shm`` where the process group allows it, else the process group's own."""
 
-    __slots__ = ()
+    allocate = staticmethod(_empty)
 
     def __call__(
         self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, op: object = None, async_op: bool = False
     ):
         transport = transport_for(group, output_tensor.device)
         if transport is None:
-            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+            return views.DIRECT_REDUCE_SCATTER(output_tensor, input_tensor, group, op, async_op)
         return transport.reduce_scatter(output_tensor, input_tensor, async_op)
 
 
@@ -311,8 +320,32 @@ SHM_REDUCE_SCATTER = ShmReduceScatter()
 
 
 def comms() -> tuple[AllGather, ReduceScatter]:
-    """The collectives ``fully_shard`` gives a group under ``FSDP_COMPOSE_TRANSPORT=shm``."""
+    """The transport's collectives, for ``set_custom_all_gather`` / ``set_custom_reduce_scatter`` by hand."""
     return SHM_ALL_GATHER, SHM_REDUCE_SCATTER
+
+
+def use_shm(model: nn.Module) -> None:
+    """Run every group that ``fully_shard`` made in ``model`` through this transport.
+
+    Call it on every rank alike (a rank left on gloo would meet the others' syncs with its data),
+    after the last ``fully_shard`` on the model: a module sharded later keeps the process group's
+    collectives. Before or after the first forward is the same (lazy init keeps a group's
+    collectives, and a group reads them at each collective), so between steps works too. It is
+    each sharded module's ``set_custom_all_gather`` / ``set_custom_reduce_scatter``, which cover the
+    groups of per-parameter meshes and a separate reduce-scatter group, and replace a custom
+    collective set before.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"use_shm expects the sharded nn.Module, got {type(model).__name__}")
+    sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    if not sharded:
+        raise ValueError(
+            f"use_shm({type(model).__name__}): no module in it is sharded; call fully_shard on it "
+            "(and its blocks) first, then use_shm"
+        )
+    for module in sharded:
+        module.set_custom_all_gather(SHM_ALL_GATHER)
+        module.set_custom_reduce_scatter(SHM_REDUCE_SCATTER)
 
 
 # process group -> its transport, or None where set-up fell back to gloo
@@ -342,8 +375,7 @@ def _set_up(group) -> ShmTransport | None:
         dtype=torch.int64,
     )
     rows = mine.new_empty(group.size() * 5)
-    with views.python_free_tls():
-        work = getattr(group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
+    work = getattr(group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
     if work is not None:
         views.wait_named(work, f"the shm transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()
@@ -356,7 +388,7 @@ def _set_up(group) -> ShmTransport | None:
     if not _warned:
         _warned = True
         warnings.warn(
-            f"{TRANSPORT_ENV}=shm: the ranks of process group {dist.get_process_group_ranks(group)} are not all "
+            f"fsdp_compose_shm: the ranks of process group {dist.get_process_group_ranks(group)} are not all "
             f"on one host with {SHM_DIR} (hostname and boot id differ); using gloo for its collectives",
             stacklevel=2,
         )

@@ -38,7 +38,6 @@ NAMED_BY_STRING: dict[tuple[str, str], str] = {
     ("__init__.py", "fsdp_compose.extras.checkpoint"): "save_checkpoint, load_checkpoint, ...: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.checkpoint_check"): "CheckpointError: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.quantize"): "quantize_all_gather: lazy re-export",
-    ("comm.py", "fsdp_compose_shm"): "FSDP_COMPOSE_TRANSPORT=shm loads the transport by name (docs/cpu-transport.md)",
 }
 
 
@@ -269,9 +268,14 @@ def test_ring_problems_are_reported():
         "extras/quantize.py": {"views.py", "runtime/state.py", "__init__.py"},
         "fsdp_compose_shm/__init__.py": {"runtime/handshake.py"},
     }
-    strings = {"api.py": {"fsdp_compose.extras.observe", "fine"}, "runtime/state.py": set()}
+    strings = {
+        "api.py": {"fsdp_compose.extras.observe", "fine"},
+        "comm.py": {"fsdp_compose_shm", "shm"},  # a package beside the core, named by string
+        "__init__.py": {"fsdp_compose.extras.quantize"},  # declared below: no problem
+        "runtime/state.py": set(),
+    }
     taken = {"extras/quantize.py": {"fully_shard", "views", "state_of"}}
-    named = {("comm.py", "fsdp_compose_shm"): "a stale entry"}
+    named = {("__init__.py", "fsdp_compose.extras.quantize"): "declared", ("mesh.py", "fsdp_compose_shm"): "stale"}
     assert_expected_inline(
         "\n".join(ring_problems(imports, strings, taken, {"fully_shard"}, named)),
         """\
@@ -279,7 +283,8 @@ core file fsdp_compose/api.py imports the extra fsdp_compose/extras/quantize.py
 extra fsdp_compose/extras/quantize.py imports fsdp_compose/runtime/state.py, which is neither public nor a view
 extra fsdp_compose_shm/__init__.py imports fsdp_compose/runtime/handshake.py, which is neither public nor a view
 core file fsdp_compose/api.py names the extra 'fsdp_compose.extras.observe'
-NAMED_BY_STRING lists fsdp_compose/comm.py -> 'fsdp_compose_shm', which that file does not name
+core file fsdp_compose/comm.py names the extra 'fsdp_compose_shm'
+NAMED_BY_STRING lists fsdp_compose/mesh.py -> 'fsdp_compose_shm', which that file does not name
 extra fsdp_compose/extras/quantize.py takes 'state_of' from fsdp_compose, which is not in its __all__""",
     )
 

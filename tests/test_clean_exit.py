@@ -74,7 +74,7 @@ def _run(launcher: str) -> tuple[int, str]:
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun", "spawn, shm"])
 def test_script_exits_zero_every_time(launcher):
-    """``spawn, shm``: a quarter of the runs, with ``FSDP_COMPOSE_TRANSPORT=shm``. Without
+    """``spawn, shm``: a quarter of the runs, through ``fsdp_compose_shm.use_shm``. Without
     ``fsdp_compose_shm._let_gloo_threads_finish`` this script aborted at exit in 1 of 12 sequential
     runs (and 0 of 14 two at a time), so it guards the transport's exit path in general more
     than it reproduces that abort; docs/cpu-transport.md gives the runs that did."""

@@ -1,4 +1,4 @@
-"""FSDP_COMPOSE_TRANSPORT=shm: CPU collectives through /dev/shm give the gloo path's results."""
+"""fsdp_compose_shm.use_shm: CPU collectives through /dev/shm give the gloo path's results."""
 
 import glob
 import os
@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 
 import fsdp_compose_shm as shm_transport
-from fsdp_compose import fully_shard
-from fsdp_compose.comm import TRANSPORT_ENV, default_comms
+from fsdp_compose import ShardPlacementResult, fully_shard
 from fsdp_compose.runtime.collectives import (
     DIRECT_ALL_GATHER,
     DIRECT_REDUCE_SCATTER,
@@ -27,11 +27,12 @@ from fsdp_compose.runtime.collectives import (
 )
 from fsdp_compose.runtime.handshake import ExecutionOrderError
 from fsdp_compose.runtime.state import state_of
-from fsdp_compose_shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER
+from fsdp_compose_shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER, use_shm
 from tests.harness import run_on_ranks
 from tests.messages import message
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 from tests.runtime.test_collectives import count_collectives
+from tests.runtime.test_divergence import _model as divergence_model
 
 DATA = ("all_gather_single", "all_gather_into_tensor", "reduce_scatter_single", "reduce_scatter_tensor")
 
@@ -55,19 +56,35 @@ def our_files() -> list[str]:
     return sorted(f for p in shm_transport._prefixes for f in glob.glob(f"{shm_transport.SHM_DIR}/{p}_*"))
 
 
-def test_transport_variable_picks_the_collectives_or_is_refused(monkeypatch):
-    """Unset, empty, ``gloo`` and ``default``: the process group's own; ``shm``: this transport's;
-    anything else (a typo would silently train without the transport) raises, naming the values."""
-    monkeypatch.delenv(TRANSPORT_ENV, raising=False)
-    assert default_comms() == (DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER)
-    for value in ("", "gloo", "default"):
-        monkeypatch.setenv(TRANSPORT_ENV, value)
-        assert default_comms() == (DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER), value
-    monkeypatch.setenv(TRANSPORT_ENV, "shm")
-    assert default_comms() == shm_transport.comms() == (SHM_ALL_GATHER, SHM_REDUCE_SCATTER)
-    monkeypatch.setenv(TRANSPORT_ENV, "SHM")
-    assert_expected_inline(message(default_comms), """\
-ValueError: FSDP_COMPOSE_TRANSPORT='SHM': expected gloo, default, shm or unset (docs/cpu-transport.md)""")
+def _use_shm_sets_every_group():
+    """Every group of every sharded module, a per-parameter mesh's companion group included, gets the
+    transport's collectives (``fully_shard`` alone gives the process group's own), and trains through them."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    apart = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model[0], shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), apart) if p.dim() == 1 else None)
+    fully_shard(model)
+    states = [*state_of(model[0]).call_states, state_of(model)]
+    before = {(s.group.comm.all_gather, s.group.comm.reduce_scatter) for s in states}
+    use_shm(model)
+    after = {(s.group.comm.all_gather, s.group.comm.reduce_scatter) for s in states}
+    gathers, scatters = shm_transport.counters.all_gathers, shm_transport.counters.reduce_scatters
+    model(torch.ones(2, 4)).sum().backward()
+    used = shm_transport.counters.all_gathers - gathers, shm_transport.counters.reduce_scatters - scatters
+    return len(states), before == {(DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER)}, after == {shm_transport.comms()}, used
+
+
+def test_use_shm_gives_every_group_the_transport():
+    # 3 groups, each reduced once; gathered in forward, and again in backward but the root's (kept unsharded)
+    assert run_on_ranks(2, _use_shm_sets_every_group) == [(3, True, True, (5, 3))] * 2
+
+
+def test_use_shm_refuses_what_it_cannot_install_on():
+    """A model with no sharded module (use_shm before fully_shard) and a non-module are refused, naming why."""
+    assert_expected_inline(message(lambda: use_shm(torch.nn.Linear(2, 2))), """\
+ValueError: use_shm(Linear): no module in it is sharded; call fully_shard on it (and its blocks) first, then use_shm""")
+    assert_expected_inline(message(lambda: use_shm([torch.nn.Linear(2, 2)])), """\
+TypeError: use_shm expects the sharded nn.Module, got list""")
 
 
 def _parity(variant: str, chunk: str = ""):
@@ -80,11 +97,12 @@ def _parity(variant: str, chunk: str = ""):
         shard_blocks_then_root(model, mesh=mesh, **kwargs)
         if variant == "separate":  # reduce-scatters on a process group (and so a transport) of their own
             model.set_separate_reduce_scatter_group()
+        use_shm(model)
 
     before = shm_transport.counters.all_gathers, shm_transport.counters.reduce_scatters
     set_ups, syncs = shm_transport.counters.set_ups, shm_transport.counters.syncs
     chunked = {shm_transport.CHUNK_ENV: chunk} if chunk else {}
-    with env(FSDP_COMPOSE_TRANSPORT="shm", **chunked), count_collectives() as counts:
+    with env(**chunked), count_collectives() as counts:
         result = train_against_reference(TinyLM, shard, steps=3)
     result["gloo_data_collectives"] = sum(counts[name] for name in DATA)
     result["shm"] = (shm_transport.counters.all_gathers - before[0], shm_transport.counters.reduce_scatters - before[1])
@@ -130,10 +148,11 @@ def _bitwise_against_gloo():
     for transport in ("gloo", "shm"):
         torch.manual_seed(0)
         model = MixedDtypes()
-        with env(FSDP_COMPOSE_TRANSPORT=transport):  # read by fully_shard: the groups' default collectives
-            for block in model.lm.blocks:
-                fully_shard(block)
-            fully_shard(model)  # the root group: the fp32 embedding and head, and the bf16 scale
+        for block in model.lm.blocks:
+            fully_shard(block)
+        fully_shard(model)  # the root group: the fp32 embedding and head, and the bf16 scale
+        if transport == "shm":
+            use_shm(model)
         assert (state_of(model).group.comm.all_gather is SHM_ALL_GATHER) == (transport == "shm")
         before = shm_transport.counters.reduce_scatters
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -221,13 +240,38 @@ def test_diverging_sizes_named_on_every_rank():
     results = run_on_ranks(2, _diverging_sizes)
     assert results[0][0] == results[1][0]
     assert_expected_inline(results[0][0], """\
-Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
-  rank 0: reduce-scatter through /dev/shm, 32 bytes
-  rank 1: reduce-scatter through /dev/shm, 40 bytes
-(reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)""")
+Ranks [0, 1] diverged in a shared-memory collective (fsdp_compose_shm): a rank skipped a sharded module or a backward(), or ran them in another order; FSDP_COMPOSE_CHECK_ORDER=1 (the default) names the modules:
+  rank 0: reduce-scatter, 32 bytes
+  rank 1: reduce-scatter, 40 bytes""")
     for _, files, reduced in results:
         assert files == []
         assert reduced == [2.0, 2.0, 2.0]
+
+
+def _rank_one_skips_a_module_through_shm() -> tuple[str, int]:
+    model = divergence_model()
+    use_shm(model)
+    syncs = shm_transport.counters.syncs
+    try:
+        model(torch.randn(3, 4), skip=dist.get_rank() == 1).sum().backward()
+        text = "no error"
+    except ExecutionOrderError as error:
+        text = str(error)
+    model.reset_iter_state()
+    return text, shm_transport.counters.syncs - syncs
+
+
+def test_the_core_handshake_names_a_divergence_before_the_transport_sees_it():
+    """With the order check on (the default) the core's handshake, not the transport's own check, catches
+    ranks that diverge through shm, naming the modules; the transport's check guards only the order check off."""
+    results = run_on_ranks(2, _rank_one_skips_a_module_through_shm)
+    assert results[0] == results[1]
+    text, syncs = results[0]
+    assert syncs > 0  # the root's all-gather went through shm before the ranks parted
+    assert_expected_inline(text, """\
+Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
+  rank 0: all-gather of 'small' (Linear), 40 bytes
+  rank 1: all-gather of 'big' (Linear), 120 bytes""")
 
 
 def _host_mismatch():
@@ -256,7 +300,7 @@ def test_host_mismatch_falls_back_to_gloo_with_a_warning():
         assert gathered == [[0.0] * 3, [1.0] * 3]
         assert gloo_calls == 1
         assert_expected_inline("\n".join(caught), """\
-FSDP_COMPOSE_TRANSPORT=shm: the ranks of process group [0, 1] are not all on one host with /dev/shm (hostname and boot id differ); using gloo for its collectives""")
+fsdp_compose_shm: the ranks of process group [0, 1] are not all on one host with /dev/shm (hostname and boot id differ); using gloo for its collectives""")
 
 
 def _shm_full():
@@ -299,14 +343,13 @@ def test_full_dev_shm_falls_back_to_gloo_on_every_rank():
         assert gloo_calls == 3  # the collective that found no room, and the two after it
         assert files == []
     assert_expected_inline("\n".join(r[4][0] for r in results), """\
-FSDP_COMPOSE_TRANSPORT=shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (see that rank); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport
-FSDP_COMPOSE_TRANSPORT=shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (rank 1 could not reserve 40960 bytes in /dev/shm: [Errno 28] No space left on device); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport""")
+fsdp_compose_shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (see that rank); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport
+fsdp_compose_shm: /dev/shm has no room for the segment of rank(s) [1] of process group [0, 1] (rank 1 could not reserve 40960 bytes in /dev/shm: [Errno 28] No space left on device); the group uses gloo from now on. Enlarge /dev/shm (e.g. docker run --shm-size) to keep the transport""")
 
 
 def _killed_rank(rank: int, port: int, results) -> None:
     """Rank 1 dies (SIGKILL) right after creating a grown segment, before the sync that would
     unlink it; rank 0's failed sync then unlinks every file of the job."""
-    os.environ["FSDP_COMPOSE_TRANSPORT"] = "shm"
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
     )

@@ -20,7 +20,7 @@ class CommOptions:
     # (scaling runs before/after the collective), so both values behave the same
     force_sum_reduction: bool = False
     # the AllGather / ReduceScatter-protocol objects every collective goes through: the process
-    # group directly unless fully_shard chose a transport, or the user set their own
+    # group directly unless the user set their own (set_custom_*, e.g. fsdp_compose_shm.use_shm)
     all_gather: object = DIRECT_ALL_GATHER
     reduce_scatter: object = DIRECT_REDUCE_SCATTER
     custom: bool = False  # the two above are set_custom_all_gather / set_custom_reduce_scatter's

@@ -3,7 +3,6 @@ leaves them unwritten and the reduce-scatter table fills them with one zero fill
 bytes sent are what they were (every rank's row, zeros where it holds no data) and training
 matches the unsharded model."""
 
-import os
 
 import pytest
 import torch
@@ -12,10 +11,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import Shard
 
 from fsdp_compose import fully_shard
-from fsdp_compose.comm import TRANSPORT_ENV
 from fsdp_compose.runtime.collectives import SCATTER_METHOD
 from fsdp_compose.runtime.state import states_in
 from fsdp_compose.runtime.unsharded import Aliased
+from fsdp_compose_shm import counters, use_shm
 from tests.harness import run_on_ranks
 from tests.test_edge_inputs import _parity
 
@@ -102,13 +101,19 @@ def _short_copy_out(transport: str) -> tuple[float, int]:
         calls[0] += ranks is not None
         return original(form, param, ranks)
 
+    def shard(model):
+        fully_shard(model.a)
+        fully_shard(model)
+        if transport == "shm":
+            use_shm(model)
+
     Aliased.targets = counting
-    os.environ[TRANSPORT_ENV] = transport
+    reduced = counters.reduce_scatters
     try:
-        worst = _parity(Tiny, _step, shard=lambda m: (fully_shard(m.a), fully_shard(m)))
+        worst = _parity(Tiny, _step, shard=shard)
     finally:
         Aliased.targets = original
-        del os.environ[TRANSPORT_ENV]
+    assert (counters.reduce_scatters > reduced) == (transport == "shm")  # the short tables went through it
     return worst, calls[0]
 
 

@@ -1,4 +1,4 @@
-"""Train with ``FSDP_COMPOSE_TRANSPORT=shm``, destroy the process group and return.
+"""Train through ``fsdp_compose_shm.use_shm``, destroy the process group and return.
 
 Run by tests/test_clean_exit.py; every run must exit 0. Without the grace period at exit
 (``fsdp_compose_shm._let_gloo_threads_finish``) about one run in four aborted at exit
@@ -6,7 +6,6 @@ Run by tests/test_clean_exit.py; every run must exit 0. Without the grace period
 that showed it.
 """
 
-import os
 import socket
 import sys
 
@@ -16,8 +15,8 @@ def rank_main(rank: int, port: int) -> None:
     import torch.distributed as dist
 
     from fsdp_compose import fully_shard
+    from fsdp_compose_shm import use_shm
 
-    os.environ["FSDP_COMPOSE_TRANSPORT"] = "shm"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -25,6 +24,7 @@ def rank_main(rank: int, port: int) -> None:
     for layer in model:
         fully_shard(layer)
     fully_shard(model)
+    use_shm(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(3):
         model(torch.randn(4, 64)).sum().backward()
