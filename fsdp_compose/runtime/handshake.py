@@ -84,23 +84,6 @@ def collective_text(uid: int, kind: int, nbytes: int | None, name_of: Callable[[
     return f"{KINDS[kind]} of {name_of(uid)}" + ("" if nbytes is None else f", {nbytes} bytes")
 
 
-def entry_line(rank: int, magic: int, uid: int, kind: int, nbytes: int | None, name_of: Callable[[int], str]) -> str:
-    """One rank's line: the collective its entry names."""
-    if magic != MAGIC or kind not in KINDS:
-        return f"  rank {rank}: <not a fully_shard collective>"
-    return f"  rank {rank}: {collective_text(uid, kind, nbytes, name_of)}"
-
-
-def diverged_message(lines: list[str], kinds: list[int]) -> str:
-    """The error every rank raises, from one line per rank named and the collective kinds in them."""
-    hint = BACKWARD_HINT if any(kind in BACKWARD_KINDS for kind in kinds) else ""
-    return (
-        "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
-        "a sharded module, ran a different number of forward calls, or ran modules in another order; "
-        "check data-dependent control flow):\n" + "\n".join(lines) + hint
-    )
-
-
 class Entry:
     """One recurring handshake: the collective it names, and the ledger it is logged in."""
 
@@ -198,12 +181,17 @@ def _first_difference(logs: list[list[tuple[int, int, int]]], ranks: list[int], 
     if len(named) > NAMED_RANKS:  # the first rank, then those that differ from it
         named = [named[0]] + [item for item in named[1:] if item[1] != named[0][1]][: NAMED_RANKS - 1]
     lines = [
-        entry_line(rank, MAGIC, *entry, name_of) if entry else f"  rank {rank}: no further collective this round"
+        f"  rank {rank}: " + (collective_text(*entry, name_of) if entry else "no further collective this round")
         for rank, entry in named
     ]
     if len(named) < len(ranks):
         lines.append(f"  (the first rank and up to {NAMED_RANKS - 1} that differ from it, of {len(ranks)})")
-    return diverged_message(lines, [entry[1] for _, entry in named if entry])
+    hint = BACKWARD_HINT if any(entry and entry[1] in BACKWARD_KINDS for _, entry in named) else ""
+    return (
+        "Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped "
+        "a sharded module, ran a different number of forward calls, or ran modules in another order; "
+        "check data-dependent control flow):\n" + "\n".join(lines) + hint
+    )
 
 
 class Ledgers:
