@@ -255,22 +255,14 @@ def reduce_scatter_rows(
     stats: CommStats,
     pre_divide: float = 1,
     comm=DIRECT_REDUCE_SCATTER,
-    padding_rows: torch.Tensor | None = None,
 ) -> tuple[object, torch.Tensor]:
-    """Start one reduce-scatter (sum) of (world, columns) blocks; rank r receives row r.
-
-    With ``padding_rows`` the blocks hold only the first ranks' rows (no parameter reaches the
-    later ranks) and the table's other rows are ``padding_rows``, copied in one go. ``rows`` is
-    emptied once copied, so the unsharded gradients are freed while the collective is in flight.
-    """
-    first, dtype, device = rows[0].shape[0], rows[0].dtype, rows[0].device
-    world = first if padding_rows is None else first + padding_rows.shape[0]
+    """Start one reduce-scatter (sum) of (world, columns) blocks; rank r receives row r. ``rows`` is
+    emptied once copied, so the unsharded gradients are freed while the collective is in flight."""
+    world, dtype, device = rows[0].shape[0], rows[0].dtype, rows[0].device
     width = sum(r.shape[1] for r in rows)
     buffer = comm.allocate((world * width,), dtype=dtype, device=device)
     table = buffer.view(world, width)
-    torch.cat(rows, dim=1, out=table if padding_rows is None else table[:first])
-    if padding_rows is not None:
-        table[first:].copy_(padding_rows)
+    torch.cat(rows, dim=1, out=table)
     rows.clear()
     if pre_divide != 1:
         table.div_(pre_divide)

@@ -32,19 +32,16 @@ from .unsharded import gather_pieces, use
 
 @dataclass(frozen=True)
 class Reduction:
-    """One reduce-scatter of a group: a dtype's parameters; a rank's row is their padded rows plus a
-    has-gradient flag each. ``reached``: the ranks any parameter's rows reach, where fewer than all."""
+    """One reduce-scatter of a group: a dtype's parameters; every rank's row is their padded rows plus
+    a has-gradient flag each (zeros where a short parameter has no row on that rank)."""
 
     dtype: torch.dtype
     params: tuple[ShardedParam, ...]
     row_bytes: int
-    reached: int | None
 
     @staticmethod
-    def of(dtype: torch.dtype, params: list[ShardedParam], world: int) -> Reduction:
-        row_bytes = (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize
-        reached = max(p.data_ranks for p in params)
-        return Reduction(dtype, tuple(params), row_bytes, reached if reached < world else None)
+    def of(dtype: torch.dtype, params: list[ShardedParam]) -> Reduction:
+        return Reduction(dtype, tuple(params), (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize)
 
 
 class PostForward(NamedTuple):
@@ -76,7 +73,7 @@ class ParamGroup:
         self.trainable = [p for p in params if p.requires_grad]
         self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
         self.device = device
-        self._all_present: dict = {}  # reduce dtype -> its cached flag rows (and padding rows)
+        self._all_present: dict = {}  # reduce dtype -> its cached flag rows
         self._flag_reads: dict[object, bool] = {}  # reduce process group -> whether its flags are read back
         self._divisors: dict[float, torch.Tensor] = {}  # see _divisor
         # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
@@ -92,8 +89,6 @@ class ParamGroup:
         self._kept: torch.Tensor | None = None
         self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
         self._extension_layout = False  # ``layout`` has a column per extension input (see start_unshard)
-        # rows of the gathered (world, bytes) buffer that hold a parameter row: copy-out skips the rest
-        self.data_ranks = max((p.data_ranks for p in params), default=0)
         self.stats = CommStats()
         self.is_unsharded = False
         self.pending_unshard: PendingCollective | None = None
@@ -165,17 +160,10 @@ class ParamGroup:
 
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int, extended: bool = False) -> None:
         with grad_off():
-            with labelled("copy_out", self):
-                # later ranks' rows are padding, which no parameter reads: left unwritten (a
-                # post-forward slice keeps rows of other ranks, so it gets them all)
-                skip_padding = self.data_ranks < rows == self.world_size and self.post_forward is None
-                if skip_padding and not extended:
-                    targets = [t for p in self.params for t in p.form.targets(p, self.data_ranks)]
-                    gathered = gathered[: self.data_ranks]
-                else:  # (world, padded bytes) each; one per extension input when extended
-                    targets = [t for p in self.params for t in p.form.targets(p)]
-                    if rows != self.world_size:
-                        targets = [t.view(rows, -1) for t in targets]
+            with labelled("copy_out", self):  # into (world, padded bytes) targets, one per extension input
+                targets = [t for p in self.params for t in p.form.targets(p)]
+                if rows != self.world_size:
+                    targets = [t.view(rows, -1) for t in targets]
                 copy_out(gathered, layout, targets)
                 slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
                 for p in self.params:
@@ -233,17 +221,16 @@ class ParamGroup:
         factor = comm.gradient_divide_factor or self.dp_size
         with grad_off():
             for reduction in plan:
-                dtype, params, reached = reduction.dtype, reduction.params, reduction.reached
+                dtype, params = reduction.dtype, reduction.params
                 rows, present = [], []
                 for p in params:
                     grad = unsharded_grad(p)
                     present.append(grad is not None)
-                    rows.append(padded_grad_rows(p, grad, reached))
+                    rows.append(padded_grad_rows(p, grad))
                     clear_unsharded_grad(p)
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
-                flags, padding = self._flag_rows(reduction, present, all_present)
-                rows.append(flags)
+                rows.append(self._flag_rows(dtype, present, all_present))
                 # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
                 if dtype.itemsize >= 4:
                     pre_divide = 1
@@ -252,7 +239,7 @@ class ParamGroup:
                 accumulate_all = all_present or not self._reads_flags(group)
                 finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
                 self.handshakes.check(REDUCE_SCATTER, reduction.row_bytes, group)
-                issues.append(partial(self._issue_reduce_scatter, rows, group, pre_divide, padding, finish))
+                issues.append(partial(self._issue_reduce_scatter, rows, group, pre_divide, finish))
         return issues
 
     def reduce_plan(self) -> list[Reduction]:
@@ -261,35 +248,25 @@ class ParamGroup:
             by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
             for p in self.trainable:
                 by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
-            self._reduce_plan = [Reduction.of(dtype, params, self.world_size) for dtype, params in by_dtype.items()]
+            self._reduce_plan = [Reduction.of(dtype, params) for dtype, params in by_dtype.items()]
         return self._reduce_plan
 
-    def _issue_reduce_scatter(
-        self, rows: list, group, pre_divide: float, padding: torch.Tensor | None, finish: Callable
-    ) -> None:
+    def _issue_reduce_scatter(self, rows: list, group, pre_divide: float, finish: Callable) -> None:
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter, padding)
+            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
         self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), name=self._name_reduce_scatter))
 
-    def _flag_rows(
-        self, reduction: Reduction, present: list[bool], all_present: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """This rank's has-gradient flags as the flag columns of every (or the first ``reached``) rank's
-        row, and with ``reached`` the later ranks' whole rows as padding rows. All-present is cached."""
-        dtype, reached = reduction.dtype, reduction.reached
+    def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
+        """This rank's has-gradient flags as the flag columns of every rank's row (all-present is cached)."""
         if all_present:
             cached = self._all_present.get(dtype)
             if cached is not None:
                 return cached
         flags = torch.tensor(present, dtype=dtype).to(self.device, non_blocking=True)  # no stream sync on a GPU
-        if reached is None:
-            pair = flags.expand(self.world_size, -1), None
-        else:
-            row = torch.cat([flags.new_zeros(reduction.row_bytes // dtype.itemsize - len(present)), flags])
-            pair = flags.expand(reached, -1), row.expand(self.world_size - reached, -1)
+        flags = flags.expand(self.world_size, -1)
         if all_present:
-            self._all_present[dtype] = pair
-        return pair
+            self._all_present[dtype] = flags
+        return flags
 
     def _finish_reduce(
         self,

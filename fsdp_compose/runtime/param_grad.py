@@ -57,22 +57,20 @@ def clear_unsharded_grad(p: ShardedParam) -> None:
     p.accumulated_grad = None
 
 
-def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None, ranks: int | None = None) -> torch.Tensor:
-    """The unsharded gradient as (ranks, padded_numel) in the reduce dtype, zero-filled (``ranks``: the
-    world by default; fewer leaves later ranks' padding rows to the caller)."""
-    dtype = p.layout.reduce_dtype
-    ranks = p.world_size if ranks is None else ranks
+def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None) -> torch.Tensor:
+    """The unsharded gradient as (world, padded_numel) in the reduce dtype, zero-filled."""
+    dtype, world = p.layout.reduce_dtype, p.world_size
     if grad is None:
-        return torch.zeros(ranks, p.padded_numel, dtype=dtype, device=p.layout.compute_device)
+        return torch.zeros(world, p.padded_numel, dtype=dtype, device=p.layout.compute_device)
     if p.shard_dim:
         grad = p.form.to_comm(grad)
-    missing = ranks * p.padded_numel - grad.numel()
+    missing = world * p.padded_numel - grad.numel()
     if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
-        return grad.reshape(ranks, p.padded_numel)
+        return grad.reshape(world, p.padded_numel)
     flat = grad.reshape(-1).to(dtype)
     if missing:
         flat = torch.cat([flat, flat.new_zeros(missing)])
-    return flat.view(ranks, p.padded_numel)
+    return flat.view(world, p.padded_numel)
 
 
 def accumulate_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:

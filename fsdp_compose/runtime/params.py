@@ -75,9 +75,6 @@ class ShardedParam:
         self.row_numel = math.prod(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
         self.rows_per_rank = math.ceil(size / self.world_size)
         self.padded_numel = self.rows_per_rank * self.row_numel
-        # ranks whose shard holds a row: later ones hold only padding (a tiny parameter at a
-        # large world size), which collectives move but no rank ever reads
-        self.data_ranks = math.ceil(size / self.rows_per_rank) if size else 0
         start = min(self.rank * self.rows_per_rank, size)
         end = min(start + self.rows_per_rank, size)
         self.row_range = (start, end)  # this rank's rows (slices of shard_dim) of the unsharded tensor

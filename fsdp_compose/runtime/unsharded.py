@@ -78,14 +78,14 @@ class Aliased:
         p.new_unsharded(alias(storage_owner, p.unsharded_shape, contiguous_strides(p.unsharded_shape)))
         self.target = alias(storage_owner, (p.world_size, p.padded_numel), (p.padded_numel, 1)).view(torch.uint8)
 
-    def targets(self, p, ranks: int | None = None) -> list[torch.Tensor]:
-        """Give the unsharded storage back; the copy-out target (its first ``ranks`` rows: those read)."""
+    def targets(self, p) -> list[torch.Tensor]:
+        """Give the unsharded storage back; the copy-out target."""
         if p.unsharded_param is None:
             self._create(p)
         storage = self.target.untyped_storage()
         if storage.nbytes() != self.target.numel():
             storage.resize_(self.target.numel())
-        return [self.target if ranks is None else self.target[:ranks]]
+        return [self.target]
 
     def finish(self, p, slice_follows: bool) -> None:
         """After copy-out: the parameter already holds the values."""
@@ -131,8 +131,8 @@ class Staged(Aliased):
         staging = p.zeros(p.world_size * p.padded_numel, p.layout.compute_device)
         self.target = staging.view(p.world_size, p.padded_numel).view(torch.uint8)
 
-    def targets(self, p, ranks: int | None = None) -> list[torch.Tensor]:
-        targets = super().targets(p, ranks)  # (re)allocates the staging buffer
+    def targets(self, p) -> list[torch.Tensor]:
+        targets = super().targets(p)  # (re)allocates the staging buffer
         storage = self.data.untyped_storage()
         if storage.nbytes() != self._data_nbytes:
             storage.resize_(self._data_nbytes)
@@ -179,7 +179,7 @@ class Extended:
     def pieces(self, p, local: torch.Tensor) -> list[torch.Tensor]:
         return self.extension.pieces(local, p.rows_per_rank, p.local_rows, p.layout.compute_device)
 
-    def targets(self, p, ranks: int | None = None) -> list[torch.Tensor]:
+    def targets(self, p) -> list[torch.Tensor]:
         return self.extension.targets(p.world_size, p.layout.compute_device)
 
     def finish(self, p, slice_follows: bool) -> None:
