@@ -68,8 +68,8 @@ def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None) -> torch.Tensor
     if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
         return grad.reshape(world, p.padded_numel)
     flat = grad.reshape(-1).to(dtype)
-    if missing:
-        flat = torch.cat([flat, flat.new_zeros(missing)])
+    if missing:  # one op: a zeros tensor and a cat wrote the padding twice
+        flat = torch.constant_pad_nd(flat, (0, missing))
     return flat.view(world, p.padded_numel)
 
 
