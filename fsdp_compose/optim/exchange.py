@@ -4,13 +4,15 @@ A shard group is the process group over which a set of parameters is split row-w
 rows as ``torch.chunk`` splits them: the last ranks may hold fewer or none). Each matrix has one
 owner in that group. Two ``all_to_all_single`` calls per group and step move every matrix: the
 gradient rows to their owners, the owners' updates back to the rows' holders. Split sizes come from
-shapes alone, so no rank reads a tensor value to plan a collective.
+shapes alone, so no rank reads a tensor value to plan a collective. Both are started asynchronously,
+so a rank computes what needs no other rank's rows while they travel (or while a slower rank catches up).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,61 +64,105 @@ class ShardGroup:
     rank: int
 
 
-def _all_to_all(
-    send: torch.Tensor, send_splits: list[int], recv_splits: list[int], shard_group: ShardGroup
-) -> torch.Tensor:
-    recv = send.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=shard_group.group)
-    return recv
+Segment = tuple[int, int, int]  # (matrix index, rank, offset): one rank's rows of one matrix in a flat buffer
 
 
-def _flat(pieces: list[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-    if not pieces:
-        return torch.empty(0, dtype=dtype)
-    return torch.cat([p.reshape(-1).to(dtype) for p in pieces])
+@dataclass(frozen=True)
+class Pending:
+    """An all-to-all under way: ``wait()`` before reading ``recv`` (``send`` is kept alive until then)."""
+
+    work: Any
+    send: torch.Tensor
+    recv: torch.Tensor
+
+    def wait(self) -> torch.Tensor:
+        self.work.wait()
+        return self.recv
+
+
+class Route:
+    """Where every rank's rows of every matrix sit in the two all-to-alls of one shard group.
+
+    From shapes and owners alone, so a step builds it once and reuses it while the same matrices have gradients.
+    Two layouts: this rank's rows of every matrix, grouped by owner (the gather's input, the scatter's output),
+    and every rank's rows of the matrices this rank owns, grouped by rank (the gather's output, the scatter's
+    input). Buffers are filled by one copy per segment (casting as they go): no flattened temporaries.
+    """
+
+    def __init__(self, shard_group: ShardGroup, matrices: Sequence[Matrix]) -> None:
+        me, n = shard_group.rank, shard_group.size
+        self.shard_group, self.matrices = shard_group, tuple(matrices)
+        self.mine = [i for i, m in enumerate(matrices) if m.owner == me]
+        by_owner = [[i for i, m in enumerate(matrices) if m.owner == r] for r in range(n)]
+        self.held = _segments([(i, me) for r in range(n) for i in by_owner[r]], self.matrices)
+        self.owned = _segments([(i, r) for r in range(n) for i in self.mine], self.matrices)
+        self.held_splits = [sum(matrices[i].numel_on(me) for i in by_owner[r]) for r in range(n)]
+        self.owned_splits = [sum(matrices[i].numel_on(r) for i in self.mine) for r in range(n)]
+
+    def rows(self, buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
+        """``segment``'s rows: a view into ``buffer``."""
+        i, r, offset = segment
+        m = self.matrices[i]
+        return buffer[offset : offset + m.numel_on(r)].view(m.row_counts[r], m.cols)
+
+    def start_gather(self, local_rows: Sequence[torch.Tensor], dtype: torch.dtype) -> Pending:
+        """Send this rank's rows of every matrix to its owner (asynchronously); ``owned_rows`` reads what arrives."""
+        send = torch.empty(sum(self.held_splits), dtype=dtype)
+        for segment in self.held:
+            self.rows(send, segment).copy_(local_rows[segment[0]])
+        return self._all_to_all(send, self.held_splits, self.owned_splits)
+
+    def owned_rows(self, recv: torch.Tensor) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
+        """Each owned matrix's rows as they arrived: ``(rank, first row, rows)``, views into the gather's output."""
+        pieces: dict[int, list[tuple[int, int, torch.Tensor]]] = {i: [] for i in self.mine}
+        for segment in self.owned:
+            i, r, _ = segment
+            pieces[i].append((r, self.matrices[i].row_start(r), self.rows(recv, segment)))
+        return pieces
+
+    def start_scatter(self, owned: dict[int, torch.Tensor], dtype: torch.dtype) -> Pending:
+        """Send each rank its rows of the owned matrices' updates (asynchronously); ``held_rows`` reads them."""
+        send = torch.empty(sum(self.owned_splits), dtype=dtype)
+        for segment in self.owned:
+            i, r, _ = segment
+            m = self.matrices[i]
+            self.rows(send, segment).copy_(owned[i].narrow(0, m.row_start(r), m.row_counts[r]))
+        return self._all_to_all(send, self.owned_splits, self.held_splits)
+
+    def held_rows(self, recv: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's rows of every matrix, by index: views into the scatter's output."""
+        rows: list[torch.Tensor | None] = [None] * len(self.matrices)
+        for segment in self.held:
+            rows[segment[0]] = self.rows(recv, segment)
+        return rows  # type: ignore[return-value]
+
+    def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
+        recv = send.new_empty(sum(recv_splits))
+        work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.shard_group.group, async_op=True)
+        return Pending(work, send, recv)
+
+
+def _segments(pairs: list[tuple[int, int]], matrices: Sequence[Matrix]) -> list[Segment]:
+    """``(matrix, rank)`` pairs laid end to end: each with the offset of its rows."""
+    segments, offset = [], 0
+    for i, r in pairs:
+        segments.append((i, r, offset))
+        offset += matrices[i].numel_on(r)
+    return segments
 
 
 def gather_to_owners(
     shard_group: ShardGroup, matrices: Sequence[Matrix], local_rows: Sequence[torch.Tensor], dtype: torch.dtype
 ) -> dict[int, torch.Tensor]:
     """Whole matrices, by index, of those this rank owns, assembled from every rank's rows in one collective."""
-    me, n = shard_group.rank, shard_group.size
-    order = [i for r in range(n) for i, m in enumerate(matrices) if m.owner == r]
-    send = _flat([local_rows[i] for i in order], dtype)
-    send_splits = [sum(m.numel_on(me) for m in matrices if m.owner == r) for r in range(n)]
-    mine = [i for i, m in enumerate(matrices) if m.owner == me]
-    recv_splits = [sum(matrices[i].numel_on(r) for i in mine) for r in range(n)]
-    recv = _all_to_all(send, send_splits, recv_splits, shard_group)
-    pieces: dict[int, list[torch.Tensor]] = {i: [] for i in mine}
-    offset = 0
-    for r in range(n):
-        for i in mine:
-            m = matrices[i]
-            pieces[i].append(recv[offset : offset + m.numel_on(r)].view(m.row_counts[r], m.cols))
-            offset += m.numel_on(r)
-    return {i: torch.cat(p) for i, p in pieces.items()}
+    route = Route(shard_group, matrices)
+    recv = route.start_gather(local_rows, dtype).wait()
+    return {i: torch.cat([rows for _, _, rows in pieces]) for i, pieces in route.owned_rows(recv).items()}
 
 
 def scatter_from_owners(
     shard_group: ShardGroup, matrices: Sequence[Matrix], owned: dict[int, torch.Tensor], dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    """This rank's rows of every matrix's update, sent by the owners in one collective."""
-    me, n = shard_group.rank, shard_group.size
-    mine = [i for i, m in enumerate(matrices) if m.owner == me]
-    send_pieces = []
-    for r in range(n):
-        for i in mine:
-            m = matrices[i]
-            send_pieces.append(owned[i].narrow(0, m.row_start(r), m.row_counts[r]))
-    send = _flat(send_pieces, dtype)
-    send_splits = [sum(matrices[i].numel_on(r) for i in mine) for r in range(n)]
-    recv_splits = [sum(m.numel_on(me) for m in matrices if m.owner == r) for r in range(n)]
-    recv = _all_to_all(send, send_splits, recv_splits, shard_group)
-    rows: list[torch.Tensor | None] = [None] * len(matrices)
-    offset = 0
-    for r in range(n):
-        for i, m in enumerate(matrices):
-            if m.owner == r:
-                rows[i] = recv[offset : offset + m.numel_on(me)].view(m.row_counts[me], m.cols)
-                offset += m.numel_on(me)
-    return rows  # type: ignore[return-value]
+    """This rank's rows of every matrix, sent by the owners in one collective."""
+    route = Route(shard_group, matrices)
+    return route.held_rows(route.start_scatter(owned, dtype).wait())

@@ -21,8 +21,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from .exchange import Matrix, ShardGroup, assign_owners, chunk_rows, gather_to_owners, scatter_from_owners
-from .muon import MUON_COEFFICIENTS, adjusted_lr, check_hyperparameters, muon_momentum, newton_schulz
+from .exchange import Matrix, Route, ShardGroup, assign_owners, chunk_rows
+from .muon import (
+    MUON_COEFFICIENTS,
+    adjusted_lr,
+    check_hyperparameters,
+    muon_momentum,
+    muon_momentum_rows,
+    newton_schulz,
+)
 from .state import MOMENTUM, momentum_to_shards, shards_to_momentum
 
 UpdateFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
@@ -61,6 +68,18 @@ class _Bucket:
     owners: list[int] = field(default_factory=list)
     batches: list[torch.Tensor] = field(default_factory=list)
     batch_groups: list[dict[str, Any]] = field(default_factory=list)
+    _route: tuple[tuple[int, ...], Route] | None = None
+
+    def route(self, active: list[int]) -> Route:
+        """The collectives' layout for the matrices in ``active`` (indices into ``params``), kept for the next step."""
+        if self._route is None or self._route[0] != tuple(active):
+            size = self.shard_group.size
+            matrices = [
+                Matrix(p.shape[0], p.shape[1], self.owners[i], tuple(chunk_rows(p.shape[0], size)))
+                for i, p in ((i, self.params[i]) for i in active)
+            ]
+            self._route = (tuple(active), Route(self.shard_group, matrices))
+        return self._route[1]
 
 
 class OwnerComputedMuon(torch.optim.Optimizer):
@@ -151,51 +170,87 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         return loss
 
     def _step_bucket(self, bucket: _Bucket) -> None:
-        for p, group in zip(bucket.batches, bucket.batch_groups):
-            if p.grad is not None:
-                self._step_batch(p, group)
-        sg = bucket.shard_group
         active = [i for i, p in enumerate(bucket.params) if p.grad is not None]
-        if not active:
+        if bucket.shard_group.group is None or not active:
+            self._step_batches(bucket)
+            self._step_whole([bucket.params[i] for i in active], [bucket.groups[i] for i in active])
             return
+        sg, route = bucket.shard_group, bucket.route(active)
         params = [bucket.params[i] for i in active]
         groups = [bucket.groups[i] for i in active]
-        matrices = [
-            Matrix(p.shape[0], p.shape[1], bucket.owners[i], tuple(chunk_rows(p.shape[0], sg.size)))
-            for i, p in zip(active, params)
-        ]
         grads = [_local(p.grad) for p in params]
         dtype = _common_dtype(grads)
-        if sg.group is None:
-            owned = {i: g for i, g in enumerate(grads)}
-        else:
-            owned = gather_to_owners(sg, matrices, grads, dtype)
-        updates = {i: self._update(params[i], full.to(grads[i].dtype), groups[i]) for i, full in owned.items()}
-        if sg.group is None:
-            rows = list(updates.values())
-        else:  # Newton-Schulz's updates are bf16: they travel as such, exactly; update_fn's in the gradients' dtype
-            back = torch.bfloat16 if self.update_fn is None else dtype
-            rows = scatter_from_owners(sg, matrices, updates, back)
-        for p, group, update in zip(params, groups, rows):
-            _apply(p, update, group)
+        gathering = route.start_gather(grads, dtype)
+        # while the rows travel: the 3-D batches, and this rank's own rows of the matrices it owns
+        self._step_batches(bucket)
+        targets = {i: self._momentum_target(params[i], grads[i].dtype, groups[i]) for i in route.mine}
+        for i in route.mine:
+            self._momentum_rows(targets[i], grads[i], route.matrices[i].row_start(sg.rank), groups[i])
+        for i, pieces in route.owned_rows(gathering.wait()).items():
+            for rank, first, rows in pieces:
+                if rank != sg.rank:
+                    self._momentum_rows(targets[i], rows.to(grads[i].dtype), first, groups[i])
+        updates = {i: self._orthogonalize(params[i], _matrix_of(targets[i]), groups[i]) for i in route.mine}
+        # Newton-Schulz's updates are bf16: they travel as such, exactly; update_fn's in the gradients' dtype
+        back = torch.bfloat16 if self.update_fn is None else dtype
+        scattering = route.start_scatter(updates, back)
+        # while the updates travel: this rank's own rows of the matrices it owns
+        for i in route.mine:
+            m = route.matrices[i]
+            _apply(params[i], updates[i].narrow(0, m.row_start(sg.rank), m.row_counts[sg.rank]).to(back), groups[i])
+        held = route.held_rows(scattering.wait())
+        for i, (p, group) in enumerate(zip(params, groups)):
+            if route.matrices[i].owner != sg.rank:
+                _apply(p, held[i], group)
             # an entry on every rank (empty off the owner): torch's checkpoint helpers take a non-empty
             # ``optim.state`` as "stepped", and a rank owning nothing must not take it otherwise (it would step alone)
             self.state.setdefault(p, {})
-            if sg.group is not None and group["momentum"] != 0:
+            if group["momentum"] != 0:
                 self._has_momentum.add(id(p))
+
+    def _step_batches(self, bucket: _Bucket) -> None:
+        for p, group in zip(bucket.batches, bucket.batch_groups):
+            if p.grad is not None:
+                self._step_batch(p, group)
+
+    def _step_whole(self, params: list[torch.Tensor], groups: list[dict[str, Any]]) -> None:
+        """Matrices every rank holds whole (plain tensors): each updated where it is, no collective."""
+        for p, group in zip(params, groups):
+            grad = _local(p.grad)
+            matrix = muon_momentum(grad, self.state[p], group["momentum"], group["nesterov"])
+            _apply(p, self._orthogonalize(p, matrix, group), group)
+
+    def _momentum_target(
+        self, param: torch.Tensor, dtype: torch.dtype, group: dict[str, Any]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """An owned matrix's ``(momentum buffer, matrix to orthogonalize)``, whole, before its rows arrive.
+
+        The buffer is None at ``momentum=0``; the matrix is None where it is the buffer itself (plain momentum),
+        else bf16 for Newton-Schulz (its first cast, done as the rows are written) or ``dtype`` for ``update_fn``.
+        """
+        buf = None
+        if group["momentum"] != 0:
+            state = self.state[param]
+            buf = state.get(MOMENTUM)
+            if buf is None:
+                buf = state[MOMENTUM] = torch.zeros(param.shape, dtype=dtype)
+            if not group["nesterov"]:
+                return buf, None
+        return buf, torch.empty(param.shape, dtype=torch.bfloat16 if self.update_fn is None else dtype)
+
+    @staticmethod
+    def _momentum_rows(
+        target: tuple[torch.Tensor | None, torch.Tensor | None], rows: torch.Tensor, first: int, group: dict[str, Any]
+    ) -> None:
+        buf, out = (None if t is None else t.narrow(0, first, rows.shape[0]) for t in target)
+        muon_momentum_rows(rows, buf, out, group["momentum"])
 
     def _step_batch(self, param: torch.Tensor, group: dict[str, Any]) -> None:
         """A 3-D batch of matrices: this rank's matrices (its ``Shard(0)`` rows), updated where they are."""
         grad = _local(param.grad)
-        state = self.state[param]
-        matrix = muon_momentum(grad, state, group["momentum"], group["nesterov"])
-        if grad.numel() == 0:
-            update = matrix  # this rank holds none of the batch (more ranks than matrices)
-        elif self.update_fn is not None:
-            update = self.update_fn(matrix, state)
-        else:
-            update = newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
-        _apply(param, update, group)
+        matrix = muon_momentum(grad, self.state[param], group["momentum"], group["nesterov"])
+        # an empty ``matrix``: this rank holds none of the batch (more ranks than matrices)
+        _apply(param, self._orthogonalize(param, matrix, group) if grad.numel() else matrix, group)
 
     def owned_state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds, for ``explain``: what its state holds once stepped; before
@@ -301,12 +356,10 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         for key in loaded:
             self.state.setdefault(params[key], {})  # an entry on every rank, as step() leaves them
 
-    def _update(self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
-        """The owner's whole-matrix update: momentum, then Newton-Schulz or ``update_fn``."""
-        state = self.state[param]
-        matrix = muon_momentum(grad, state, group["momentum"], group["nesterov"])
+    def _orthogonalize(self, param: torch.Tensor, matrix: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The update of one whole matrix (or 3-D batch) from its momentum matrix: Newton-Schulz or ``update_fn``."""
         if self.update_fn is not None:
-            return self.update_fn(matrix, state)
+            return self.update_fn(matrix, self.state[param])
         return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
 
@@ -332,6 +385,11 @@ def _rows_like(saved: Any, param: torch.Tensor) -> torch.Tensor:
     if saved.placements != param.placements or saved.device_mesh != param.device_mesh:
         saved = saved.redistribute(param.device_mesh, param.placements)
     return saved.to_local().clone()
+
+
+def _matrix_of(target: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
+    buf, out = target
+    return buf if out is None else out  # type: ignore[return-value]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

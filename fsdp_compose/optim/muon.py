@@ -64,6 +64,25 @@ def muon_momentum(grad: torch.Tensor, state: dict[str, Any], momentum: float, ne
     return grad.lerp(buf, momentum) if nesterov else buf
 
 
+def muon_momentum_rows(
+    grad_rows: torch.Tensor, buf_rows: torch.Tensor | None, out_rows: torch.Tensor | None, momentum: float
+) -> None:
+    """``muon_momentum`` on one block of a matrix's rows, so an owner needs no whole gradient assembled first.
+
+    ``buf_rows``: that block of the momentum buffer, updated in place (None at ``momentum=0``); ``out_rows``: that
+    block of the matrix to orthogonalize (None where it is the buffer itself: plain momentum), written in its own
+    dtype (bf16 for Newton-Schulz, which casts to it first anyway). Elementwise, so a matrix done block by block
+    equals it done whole, bit for bit.
+    """
+    if buf_rows is not None:
+        buf_rows.lerp_(grad_rows, 1 - momentum)
+    if out_rows is None:
+        return
+    if buf_rows is None:
+        out_rows.copy_(grad_rows)
+    else:
+        torch.lerp(grad_rows, buf_rows, momentum, out=out_rows)  # Nesterov's look-ahead
+
 def check_hyperparameters(
     lr: float, weight_decay: float, momentum: float, coefficients: tuple, steps: int, adjust_lr_fn: str | None
 ) -> None:
