@@ -190,7 +190,9 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             for rank, first, rows in pieces:
                 if rank != sg.rank:
                     self._momentum_rows(targets[i], rows.to(grads[i].dtype), first, groups[i])
-        updates = {i: self._orthogonalize(params[i], _matrix_of(targets[i]), groups[i]) for i in route.mine}
+        # contiguous: a tall matrix's update is Newton-Schulz's wide result transposed, and one blocked transpose
+        # here is cheaper than copying and applying its rows strided
+        updates = {i: self._orthogonalize(params[i], _matrix_of(t), groups[i]).contiguous() for i, t in targets.items()}
         # Newton-Schulz's updates are bf16: they travel as such, exactly; update_fn's in the gradients' dtype
         back = torch.bfloat16 if self.update_fn is None else dtype
         scattering = route.start_scatter(updates, back)
