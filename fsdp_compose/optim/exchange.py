@@ -87,6 +87,10 @@ class Route:
     Two layouts: this rank's rows of every matrix, grouped by owner (the gather's input, the scatter's output),
     and every rank's rows of the matrices this rank owns, grouped by rank (the gather's output, the scatter's
     input). Buffers are filled by one copy per segment (casting as they go): no flattened temporaries.
+
+    The two flat buffers are kept for the next step (``release()`` drops them): freshly allocated, tens of MB
+    each step cost page faults that measured as much as the copies into them. Each layout's buffer serves both
+    collectives, one after the other, so the workspace is about this rank's rows and its owned matrices, once.
     """
 
     def __init__(self, shard_group: ShardGroup, matrices: Sequence[Matrix]) -> None:
@@ -98,6 +102,7 @@ class Route:
         self.owned = _segments([(i, r) for r in range(n) for i in self.mine], self.matrices)
         self.held_splits = [sum(matrices[i].numel_on(me) for i in by_owner[r]) for r in range(n)]
         self.owned_splits = [sum(matrices[i].numel_on(r) for i in self.mine) for r in range(n)]
+        self._buffers: dict[str, torch.Tensor] = {}
 
     def rows(self, buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
         """``segment``'s rows: a view into ``buffer``."""
@@ -107,10 +112,10 @@ class Route:
 
     def start_gather(self, local_rows: Sequence[torch.Tensor], dtype: torch.dtype) -> Pending:
         """Send this rank's rows of every matrix to its owner (asynchronously); ``owned_rows`` reads what arrives."""
-        send = torch.empty(sum(self.held_splits), dtype=dtype)
+        send = self._flat("held", dtype)
         for segment in self.held:
             self.rows(send, segment).copy_(local_rows[segment[0]])
-        return self._all_to_all(send, self.held_splits, self.owned_splits)
+        return self._all_to_all(send, self._flat("owned", dtype), self.held_splits, self.owned_splits)
 
     def owned_rows(self, recv: torch.Tensor) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
         """Each owned matrix's rows as they arrived: ``(rank, first row, rows)``, views into the gather's output."""
@@ -122,12 +127,12 @@ class Route:
 
     def start_scatter(self, owned: dict[int, torch.Tensor], dtype: torch.dtype) -> Pending:
         """Send each rank its rows of the owned matrices' updates (asynchronously); ``held_rows`` reads them."""
-        send = torch.empty(sum(self.owned_splits), dtype=dtype)
+        send = self._flat("owned", dtype)
         for segment in self.owned:
             i, r, _ = segment
             m = self.matrices[i]
             self.rows(send, segment).copy_(owned[i].narrow(0, m.row_start(r), m.row_counts[r]))
-        return self._all_to_all(send, self.owned_splits, self.held_splits)
+        return self._all_to_all(send, self._flat("held", dtype), self.owned_splits, self.held_splits)
 
     def held_rows(self, recv: torch.Tensor) -> list[torch.Tensor]:
         """This rank's rows of every matrix, by index: views into the scatter's output."""
@@ -136,8 +141,22 @@ class Route:
             rows[segment[0]] = self.rows(recv, segment)
         return rows  # type: ignore[return-value]
 
-    def _all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> Pending:
-        recv = send.new_empty(sum(recv_splits))
+    def release(self) -> None:
+        """Drop the kept buffers (the next collective allocates them again)."""
+        self._buffers.clear()
+
+    def _flat(self, layout: str, dtype: torch.dtype) -> torch.Tensor:
+        """The flat buffer of ``layout`` ("held": this rank's rows; "owned": rows of its matrices) as ``dtype``."""
+        numel = sum(self.held_splits if layout == "held" else self.owned_splits)
+        nbytes = numel * dtype.itemsize
+        buffer = self._buffers.get(layout)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._buffers[layout] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes].view(dtype)
+
+    def _all_to_all(
+        self, send: torch.Tensor, recv: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> Pending:
         work = dist.all_to_all_single(recv, send, recv_splits, send_splits, group=self.shard_group.group, async_op=True)
         return Pending(work, send, recv)
 

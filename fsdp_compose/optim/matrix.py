@@ -90,7 +90,9 @@ class OwnerComputedMuon(torch.optim.Optimizer):
     parameter's state dict on the owner, where it may keep its own buffers. 3-D parameters ``(E, m, n)`` are
     batches of ``E`` matrices (expert weights): each rank computes the matrices it holds, and ``update_fn``
     receives that ``(e, m, n)`` batch. Plain tensors are computed locally. Gradients must be present on all
-    ranks of a shard group alike, as ``fully_shard`` gives them.
+    ranks of a shard group alike, as ``fully_shard`` gives them. ``keep_buffers``: keep the two flat buffers
+    the collectives use between steps (about this rank's gradient rows twice, in their dtype), so a step does
+    not page in fresh memory; False frees them after each step.
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
         update_fn: UpdateFn | None = None,
+        keep_buffers: bool = True,
     ) -> None:
         check_hyperparameters(lr, weight_decay, momentum, ns_coefficients, ns_steps, adjust_lr_fn)
         defaults = dict(
@@ -113,6 +116,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         )
         super().__init__(params, defaults)
         self.update_fn = update_fn
+        self.keep_buffers = keep_buffers
         self._check_params()
         self._buckets: list[_Bucket] = []
         self._planned_for: tuple[int, ...] = ()
@@ -209,6 +213,8 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             self.state.setdefault(p, {})
             if group["momentum"] != 0:
                 self._has_momentum.add(id(p))
+        if not self.keep_buffers:
+            route.release()
 
     def _step_batches(self, bucket: _Bucket) -> None:
         for p, group in zip(bucket.batches, bucket.batch_groups):
