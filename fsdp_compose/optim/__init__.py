@@ -2,6 +2,6 @@
 
 from .exchange import assign_owners
 from .matrix import OwnerComputedMuon, UpdateFn
-from .muon import newton_schulz
+from .muon import newton_schulz, newton_schulz_work
 
-__all__ = ["OwnerComputedMuon", "UpdateFn", "assign_owners", "newton_schulz"]
+__all__ = ["OwnerComputedMuon", "UpdateFn", "assign_owners", "newton_schulz", "newton_schulz_work"]

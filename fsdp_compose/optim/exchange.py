@@ -18,18 +18,19 @@ import torch
 import torch.distributed as dist
 
 
-def assign_owners(numels: Sequence[int], world_size: int, load: Sequence[int] | None = None) -> list[int]:
-    """Owner rank of each matrix: largest first to the least-loaded rank (ties: lowest index, lowest rank).
+def assign_owners(costs: Sequence[int], world_size: int, load: Sequence[int] | None = None) -> list[int]:
+    """Owner rank of each matrix: costliest first to the least-loaded rank (ties: lowest index, lowest rank).
 
-    Deterministic in its inputs, so every rank computes the same owners without a collective. ``load``:
-    elements each rank computes already (its rows of 3-D expert batches), so matrices fill in around them.
+    Deterministic in its inputs, so every rank computes the same owners without a collective. ``costs``: each
+    matrix's work (``OwnerComputedMuon`` passes Newton-Schulz's, ``muon.newton_schulz_work``); ``load``: the
+    same work each rank does already (its rows of 3-D expert batches), so matrices fill in around it.
     """
     load = list(load) if load is not None else [0] * world_size
-    owners = [0] * len(numels)
-    for index in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
+    owners = [0] * len(costs)
+    for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
         rank = min(range(world_size), key=lambda r: (load[r], r))
         owners[index] = rank
-        load[rank] += numels[index]
+        load[rank] += costs[index]
     return owners
 
 

@@ -29,6 +29,7 @@ from .muon import (
     muon_momentum,
     muon_momentum_rows,
     newton_schulz,
+    newton_schulz_work,
 )
 from .state import MOMENTUM, momentum_to_shards, shards_to_momentum
 
@@ -154,11 +155,11 @@ class OwnerComputedMuon(torch.optim.Optimizer):
                     bucket.groups.append(group)
         for bucket in buckets.values():
             size = bucket.shard_group.size
-            held = [0] * size  # elements of 3-D batches each rank computes where it holds them
+            held = [0] * size  # Newton-Schulz work of the 3-D batches' matrices each rank holds and computes
             for p in bucket.batches:
                 for r, count in enumerate(chunk_rows(p.shape[0], size)):
-                    held[r] += count * p.shape[1] * p.shape[2]
-            bucket.owners = assign_owners([p.numel() for p in bucket.params], size, held)
+                    held[r] += count * newton_schulz_work(p.shape[1], p.shape[2])
+            bucket.owners = assign_owners([newton_schulz_work(*p.shape) for p in bucket.params], size, held)
         self._buckets, self._planned_for = list(buckets.values()), key
         return self._buckets
 

@@ -45,6 +45,14 @@ def newton_schulz(
     return x.T if tall else x
 
 
+def newton_schulz_work(rows: int, cols: int) -> int:
+    """Multiply-adds of one Newton-Schulz iteration on a ``rows x cols`` matrix, on its wide orientation
+    (``short`` and ``long`` sides): ``X X^T`` and ``(.) X`` are ``short**2 * long`` each, the Gram matrix
+    squared ``short**3``. Owners are balanced on it, not on elements: a 4096x64 matrix has a 512x512's
+    elements and a twelfth of its work."""
+    short, long = min(rows, cols), max(rows, cols)
+    return short * short * (2 * long + short)
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """Muon's per-shape learning rate, so rectangular matrices get updates of comparable RMS (per matrix of a batch)."""
     rows, cols = shape[-2], shape[-1]

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
-from fsdp_compose.optim import OwnerComputedMuon, assign_owners, newton_schulz
+from fsdp_compose.optim import OwnerComputedMuon, assign_owners, newton_schulz, newton_schulz_work
 from tests.harness import run_on_ranks
 from tests.models import full_value, max_abs_diff
 from tests.optim.test_matrix import NOISE_FACTOR, _count_collectives
@@ -143,7 +143,8 @@ def test_expert_weights_match_torch_muon_per_expert_matrix(world: int) -> None:
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_each_rank_keeps_the_momentum_of_the_experts_it_holds(world: int) -> None:
-    owners = assign_owners([MID * IN, 2 * HIDDEN], world, [c * MID * HIDDEN for c in _expert_counts(world)])
+    work = newton_schulz_work
+    owners = assign_owners([work(MID, IN), work(2, HIDDEN)], world, [c * work(MID, HIDDEN) for c in _expert_counts(world)])
     for rank, r in enumerate(_results(world)):
         assert r["expert_momentum"] == r["expert_rows"] == (_expert_counts(world)[rank], MID, HIDDEN)
         assert r["matrix_momentum"] == [s for s, o in zip([(MID, IN), (2, HIDDEN)], owners) if o == rank]

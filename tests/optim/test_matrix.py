@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_compose.optim import OwnerComputedMuon, assign_owners, newton_schulz
+from fsdp_compose.optim import OwnerComputedMuon, assign_owners, newton_schulz, newton_schulz_work
 from tests.harness import run_on_ranks
 from tests.models import full_value, max_abs_diff
 
@@ -275,16 +275,23 @@ def test_only_the_owner_holds_a_matrix_momentum(world: int, hsdp: bool, mixed_pr
     results = _results(world, hsdp, mixed_precision)
     shapes = [(MID, IN), (IN, MID), (MID, IN), (OUT, MID), (2, OUT)]
     size = 2 if hsdp else world
-    owners = assign_owners([r * c for r, c in shapes], size)
+    owners = assign_owners([newton_schulz_work(r, c) for r, c in shapes], size)
     for r in results:
         assert r["momentum_held"] == [o == r["shard_rank"] for o in owners], (r["shard_rank"], r["momentum_held"])
         assert r["momentum_shapes"] == [s for s, o in zip(shapes, owners) if o == r["shard_rank"]]
 
 
-def test_owners_balance_numel_largest_first() -> None:
+def test_owners_balance_cost_largest_first() -> None:
     assert assign_owners([10, 50, 30, 30, 5], 2) == [0, 0, 1, 1, 0]  # 50 | 30+30 | then 10 and 5 to the lighter
     assert assign_owners([4, 4, 4], 3) == [0, 1, 2]
     assert assign_owners([7], 4) == [0]
+
+
+def test_owners_balance_newton_schulz_work_not_elements() -> None:
+    # three matrices of 262144 elements each; the square one is 12x the Newton-Schulz work of either thin one
+    shapes = [(4096, 64), (512, 512), (64, 4096)]
+    assert assign_owners([r * c for r, c in shapes], 2) == [0, 1, 0]  # by elements: 2 matrices' work vs 1
+    assert assign_owners([newton_schulz_work(r, c) for r, c in shapes], 2) == [1, 0, 1]
 
 
 @pytest.mark.parametrize(
