@@ -99,10 +99,11 @@ class Route:
         self.shard_group, self.matrices = shard_group, tuple(matrices)
         self.mine = [i for i, m in enumerate(matrices) if m.owner == me]
         by_owner = [[i for i, m in enumerate(matrices) if m.owner == r] for r in range(n)]
-        self.held = _segments([(i, me) for r in range(n) for i in by_owner[r]], self.matrices)
-        self.owned = _segments([(i, r) for r in range(n) for i in self.mine], self.matrices)
-        self.held_splits = [sum(matrices[i].numel_on(me) for i in by_owner[r]) for r in range(n)]
-        self.owned_splits = [sum(matrices[i].numel_on(r) for i in self.mine) for r in range(n)]
+        # a rank's own rows of its own matrices stay out of both: the caller reads them where they are
+        self.held = _segments([(i, me) for r in range(n) if r != me for i in by_owner[r]], self.matrices)
+        self.owned = _segments([(i, r) for r in range(n) if r != me for i in self.mine], self.matrices)
+        self.held_splits = [0 if r == me else sum(matrices[i].numel_on(me) for i in by_owner[r]) for r in range(n)]
+        self.owned_splits = [0 if r == me else sum(matrices[i].numel_on(r) for i in self.mine) for r in range(n)]
         self._buffers: dict[str, torch.Tensor] = {}
 
     def rows(self, buffer: torch.Tensor, segment: Segment) -> torch.Tensor:
@@ -119,7 +120,8 @@ class Route:
         return self._all_to_all(send, self._flat("owned", dtype), self.held_splits, self.owned_splits)
 
     def owned_rows(self, recv: torch.Tensor) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
-        """Each owned matrix's rows as they arrived: ``(rank, first row, rows)``, views into the gather's output."""
+        """Each owned matrix's rows from the other ranks, ``(rank, first row, rows)``: views into the gather's
+        output."""
         pieces: dict[int, list[tuple[int, int, torch.Tensor]]] = {i: [] for i in self.mine}
         for segment in self.owned:
             i, r, _ = segment
@@ -136,7 +138,8 @@ class Route:
         return self._all_to_all(send, self._flat("held", dtype), self.owned_splits, self.held_splits)
 
     def held_rows(self, recv: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's rows of every matrix, by index: views into the scatter's output."""
+        """This rank's rows of every matrix owned by another rank, by index (None for its own): views into the
+        scatter's output."""
         rows: list[torch.Tensor | None] = [None] * len(self.matrices)
         for segment in self.held:
             rows[segment[0]] = self.rows(recv, segment)
@@ -176,8 +179,10 @@ def gather_to_owners(
 ) -> dict[int, torch.Tensor]:
     """Whole matrices, by index, of those this rank owns, assembled from every rank's rows in one collective."""
     route = Route(shard_group, matrices)
-    recv = route.start_gather(local_rows, dtype).wait()
-    return {i: torch.cat([rows for _, _, rows in pieces]) for i, pieces in route.owned_rows(recv).items()}
+    pieces = route.owned_rows(route.start_gather(local_rows, dtype).wait())
+    for i in route.mine:
+        pieces[i].append((shard_group.rank, matrices[i].row_start(shard_group.rank), local_rows[i].to(dtype)))
+    return {i: torch.cat([rows for _, _, rows in sorted(p, key=lambda piece: piece[0])]) for i, p in pieces.items()}
 
 
 def scatter_from_owners(
@@ -185,4 +190,8 @@ def scatter_from_owners(
 ) -> list[torch.Tensor]:
     """This rank's rows of every matrix, sent by the owners in one collective."""
     route = Route(shard_group, matrices)
-    return route.held_rows(route.start_scatter(owned, dtype).wait())
+    rows = route.held_rows(route.start_scatter(owned, dtype).wait())
+    me = shard_group.rank
+    for i in route.mine:
+        rows[i] = owned[i].narrow(0, matrices[i].row_start(me), matrices[i].row_counts[me]).to(dtype)
+    return rows

@@ -280,8 +280,8 @@ class OwnerComputedMuon(torch.optim.Optimizer):
 
     def collectives_per_step(self) -> tuple[int, int]:
         """``(calls, bytes)`` this rank issues in one ``step()``, for ``explain``: two ``all_to_all_single`` per
-        shard group with a trainable 2-D matrix; bytes are this rank's inputs to them (its gradient rows out,
-        its owned matrices' updates out, its own share included). From shapes alone: local, read-only."""
+        shard group with a trainable 2-D matrix; bytes are this rank's inputs to them (its gradient rows to other
+        owners, other ranks' rows of its owned matrices' updates). From shapes alone: local, read-only."""
         calls = nbytes = 0
         for bucket in self._plan():
             sg = bucket.shard_group
@@ -292,9 +292,8 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             back = torch.bfloat16 if self.update_fn is None else dtype
             calls += 2
             for p, owner in trained:
-                nbytes += chunk_rows(p.shape[0], sg.size)[sg.rank] * p.shape[1] * dtype.itemsize
-                if owner == sg.rank:
-                    nbytes += p.numel() * back.itemsize
+                mine = chunk_rows(p.shape[0], sg.size)[sg.rank] * p.shape[1]
+                nbytes += (p.numel() - mine) * back.itemsize if owner == sg.rank else mine * dtype.itemsize
         return calls, nbytes
 
     def state_dict(self) -> dict[str, Any]:

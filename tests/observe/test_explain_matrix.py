@@ -96,10 +96,10 @@ def test_explain_counts_the_owners_state_and_the_steps_all_to_alls() -> None:
     assert_expected_inline(
         "\n---\n".join(r["text"] for r in ranks),
         """\
-optimizer.step(): 2 collectives more, 7.8 KiB in from this rank (matrices to their owners and back)
+optimizer.step(): 2 collectives more, 3.2 KiB in from this rank (matrices to their owners and back)
 optimizer state 6.4 KiB (OwnerComputedMuon: measured, owned matrices + measured)
 ---
-optimizer.step(): 2 collectives more, 6.5 KiB in from this rank (matrices to their owners and back)
+optimizer.step(): 2 collectives more, 3.9 KiB in from this rank (matrices to their owners and back)
 optimizer state 3.9 KiB (OwnerComputedMuon: measured, owned matrices + measured)""",
     )
     for rank, r in enumerate(ranks):
@@ -115,7 +115,7 @@ optimizer state 3.9 KiB (OwnerComputedMuon: measured, owned matrices + measured)
     assert_expected_inline(
         "\n---\n".join(r["planned_text"] for r in ranks),
         """\
-optimizer.step(): 2 collectives more, 6.0 KiB in from this rank (matrices to their owners and back)
+optimizer.step(): 2 collectives more, 1.5 KiB in from this rank (matrices to their owners and back)
 optimizer state 6.0 KiB (OwnerComputedMuon: planned, owned matrices)
 ---
 optimizer.step(): 2 collectives more, 3.0 KiB in from this rank (matrices to their owners and back)
