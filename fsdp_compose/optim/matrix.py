@@ -31,7 +31,7 @@ from .muon import (
     newton_schulz,
     newton_schulz_work,
 )
-from .state import MOMENTUM, momentum_to_shards, shards_to_momentum
+from .state import MOMENTUM, common_dtype, momentum_to_shards, param_indices, rows_like, shards_to_momentum
 
 UpdateFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 
@@ -184,7 +184,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         params = [bucket.params[i] for i in active]
         groups = [bucket.groups[i] for i in active]
         grads = [_local(p.grad) for p in params]
-        dtype = _common_dtype(grads)
+        dtype = common_dtype(grads)
         gathering = route.start_gather(grads, dtype)
         # while the rows travel: the 3-D batches, and this rank's own rows of the matrices it owns
         self._step_batches(bucket)
@@ -288,7 +288,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             trained = [(p, o) for p, o in zip(bucket.params, bucket.owners) if p.requires_grad]
             if sg.group is None or not trained:
                 continue
-            dtype = _common_dtype([p for p, _ in trained])
+            dtype = common_dtype([p for p, _ in trained])
             back = torch.bfloat16 if self.update_fn is None else dtype
             calls += 2
             for p, owner in trained:
@@ -304,7 +304,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         owner is passed through as it is (plain, on the owner only).
         """
         state_dict = super().state_dict()
-        index = _param_indices(self.param_groups)
+        index = param_indices(self.param_groups)
         for bucket in self._plan():
             if bucket.shard_group.group is None:
                 continue
@@ -347,7 +347,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             for p in bucket.batches:
                 entry = state.get(saved_index[id(p)], {})
                 if MOMENTUM in entry:
-                    entry[MOMENTUM] = _rows_like(entry[MOMENTUM], p)
+                    entry[MOMENTUM] = rows_like(entry[MOMENTUM], p)
             held = [(p, o) for p, o in zip(bucket.params, bucket.owners)
                     if MOMENTUM in state.get(saved_index[id(p)], {})]
             params = [p for p, _ in held]
@@ -371,28 +371,10 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         return newton_schulz(matrix, group["ns_coefficients"], group["ns_steps"], group["eps"])
 
 
-def _param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
-    """Each parameter's index in torch's optimizer state dict (in group order, each parameter once)."""
-    index: dict[int, int] = {}
-    for group in param_groups:
-        for p in group["params"]:
-            index.setdefault(id(p), len(index))
-    return index
-
-
 def _ranks_of(sg: ShardGroup) -> tuple[int, ...] | None:
     """A shard group's key: its ranks. Meshes of one layout may carry distinct process-group objects over the
     same ranks (torch caches some): their matrices are still one bucket, one collective each way."""
     return None if sg.group is None else tuple(dist.get_process_group_ranks(sg.group))
-
-
-def _rows_like(saved: Any, param: torch.Tensor) -> torch.Tensor:
-    """A 3-D batch's saved momentum (a DTensor, possibly laid out for another world size) as this rank's rows."""
-    if not isinstance(saved, DTensor) or tuple(saved.shape) != tuple(param.shape):
-        raise ValueError(f"momentum for a {tuple(param.shape)} batch of matrices must be a DTensor of its shape")
-    if saved.placements != param.placements or saved.device_mesh != param.device_mesh:
-        saved = saved.redistribute(param.device_mesh, param.placements)
-    return saved.to_local().clone()
 
 
 def _matrix_of(target: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
@@ -402,13 +384,6 @@ def _matrix_of(target: tuple[torch.Tensor | None, torch.Tensor | None]) -> torch
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _common_dtype(tensors: list[torch.Tensor]) -> torch.dtype:
-    dtype = tensors[0].dtype
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
 
 
 def _apply(param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:

@@ -19,7 +19,7 @@ from .exchange import Matrix, ShardGroup, chunk_rows, gather_to_owners, scatter_
 MOMENTUM = "momentum_buffer"
 
 
-def _common_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
+def common_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
     dtype = params[0].dtype
     for p in params[1:]:
         dtype = torch.promote_types(dtype, p.dtype)
@@ -41,7 +41,7 @@ def momentum_to_shards(
         return []
     me = shard_group.rank
     matrices = _matrices(params, owners, shard_group.size)
-    dtype = _common_dtype(params)
+    dtype = common_dtype(params)
     owned = {i: state[p][MOMENTUM] for i, p in enumerate(params) if owners[i] == me}
     rows = scatter_from_owners(shard_group, matrices, owned, dtype)
     return [
@@ -70,5 +70,23 @@ def shards_to_momentum(
         if tuple(rows.shape) != (m.row_counts[shard_group.rank], m.cols):
             raise ValueError(f"momentum rows {tuple(rows.shape)} do not match the parameter's Shard(0) rows")
         local.append(rows)
-    dtype = _common_dtype(params)
+    dtype = common_dtype(params)
     return {i: full.to(params[i].dtype) for i, full in gather_to_owners(shard_group, matrices, local, dtype).items()}
+
+
+def param_indices(param_groups: list[dict[str, Any]]) -> dict[int, int]:
+    """Each parameter's index in torch's optimizer state dict (in group order, each parameter once)."""
+    index: dict[int, int] = {}
+    for group in param_groups:
+        for p in group["params"]:
+            index.setdefault(id(p), len(index))
+    return index
+
+
+def rows_like(saved: Any, param: torch.Tensor) -> torch.Tensor:
+    """A 3-D batch's saved momentum (a DTensor, possibly laid out for another world size) as this rank's rows."""
+    if not isinstance(saved, DTensor) or tuple(saved.shape) != tuple(param.shape):
+        raise ValueError(f"momentum for a {tuple(param.shape)} batch of matrices must be a DTensor of its shape")
+    if saved.placements != param.placements or saved.device_mesh != param.device_mesh:
+        saved = saved.redistribute(param.device_mesh, param.placements)
+    return saved.to_local().clone()
