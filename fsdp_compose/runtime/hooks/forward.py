@@ -1,5 +1,5 @@
 """Pre- and post-forward hooks, the root's lazy init, the identity on a module's inputs that tells backward
-when the module's own backward is done."""
+when the module's own backward is done, and what keeps torch.compile from tracing a sharded call's hooks."""
 
 from __future__ import annotations
 
