@@ -8,8 +8,9 @@ Beyond FSDP2: ``explain(model)`` prints the sharding plan with its traffic and p
 ``estimate(build, world_size=N)`` answers "will it fit?" before a launch, running one training
 step of ``build``'s model as one of ``N`` ranks on fake tensors in a subprocess and reporting the
 per-rank peak memory by category (activations included) and the collectives per step.
-Those, checkpoints and the quantized all-gather live in ``extras/``; this module names them in
-``_EXTRAS`` and imports one only when it is first used (PEP 562), so the core imports no extra.
+Those, checkpoints, the quantized all-gather, auto-wrap and deferred init live in ``extras/``;
+this module names them in ``_EXTRAS`` and imports one only when it is first used (PEP 562), so
+the core imports no extra.
 """
 
 import importlib
@@ -17,7 +18,6 @@ import importlib
 from .api import fully_shard
 from .comm import AllGather, Comm, ReduceScatter
 from .forward_methods import register_fsdp_forward_method
-from .init import init_sharded_parameters, sync_module_states
 from .module import FSDPModule, UnshardHandle
 from .module_settings import share_comm_ctx
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -28,7 +28,6 @@ from .spmd_mesh import DataParallelMeshDims
 from .whole_model.clip import clip_grad_norm_
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params
-from .wrap import CustomPolicy, ModuleWrapPolicy, ShardPlan, SizeBasedPolicy, WrapPolicy, apply_fully_shard
 
 # public name -> (module of the extras, its name there)
 _EXTRAS = {
@@ -42,6 +41,14 @@ _EXTRAS = {
     "checkpoint_exists": ("fsdp_compose.extras.checkpoint", "exists"),
     "CheckpointError": ("fsdp_compose.extras.checkpoint_check", "CheckpointError"),
     "quantize_all_gather": ("fsdp_compose.extras.quantize", "quantize_all_gather"),
+    "init_sharded_parameters": ("fsdp_compose.extras.deferred_init", "init_sharded_parameters"),
+    "sync_module_states": ("fsdp_compose.extras.deferred_init", "sync_module_states"),
+    "apply_fully_shard": ("fsdp_compose.extras.wrap", "apply_fully_shard"),
+    "ShardPlan": ("fsdp_compose.extras.wrap", "ShardPlan"),
+    "WrapPolicy": ("fsdp_compose.extras.wrap", "WrapPolicy"),
+    "ModuleWrapPolicy": ("fsdp_compose.extras.wrap", "ModuleWrapPolicy"),
+    "CustomPolicy": ("fsdp_compose.extras.wrap", "CustomPolicy"),
+    "SizeBasedPolicy": ("fsdp_compose.extras.wrap", "SizeBasedPolicy"),
 }
 
 

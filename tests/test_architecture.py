@@ -38,6 +38,8 @@ NAMED_BY_STRING: dict[tuple[str, str], str] = {
     ("__init__.py", "fsdp_compose.extras.checkpoint"): "save_checkpoint, load_checkpoint, ...: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.checkpoint_check"): "CheckpointError: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.quantize"): "quantize_all_gather: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.wrap"): "apply_fully_shard and its policies: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.deferred_init"): "init_sharded_parameters, sync_module_states: lazy re-export",
 }
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .runtime.state import states_in
+from ..views import states_in
 
 
 def _reset(module: nn.Module) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 
 from torch import nn
 
-from .api import fully_shard
-from .runtime.state import state_of
+from .. import fully_shard
+from ..views import state_of
 
 Overrides = dict[str, Any]
 Selection = dict[nn.Module, Overrides]
