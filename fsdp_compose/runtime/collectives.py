@@ -28,9 +28,8 @@ from torch._C._distributed_c10d import AllgatherOptions, AllreduceOptions, Proce
 
 # torch 2.13's names of the single-tensor collectives; 2.11 and 2.12 have them only under the older ones.
 # Looked up at each call, so a wrapper a test sets on ProcessGroup sees every collective.
-_NAMED_SINGLE = hasattr(ProcessGroup, "all_gather_single")
-GATHER_METHOD = "all_gather_single" if _NAMED_SINGLE else "_allgather_base"
-SCATTER_METHOD = "reduce_scatter_single" if _NAMED_SINGLE else "_reduce_scatter_base"
+GATHER_METHOD = "all_gather_single" if hasattr(ProcessGroup, "all_gather_single") else "_allgather_base"
+SCATTER_METHOD = "reduce_scatter_single" if hasattr(ProcessGroup, "reduce_scatter_single") else "_reduce_scatter_base"
 
 
 class CollectiveError(RuntimeError):
@@ -119,7 +118,6 @@ DIRECT_REDUCE_SCATTER = DirectReduceScatter()
 
 
 _CONTEXT_KEY = "context"  # torch.autograd.graph._engine_run_backward stashes it during backward
-_autograd = torch._C._autograd
 # bound once: these run up to four times per group and step in backward
 _is_key_in_tls = torch._C._is_key_in_tls
 _get_obj_in_tls = torch._C._get_obj_in_tls
@@ -127,9 +125,9 @@ _get_obj_in_tls = torch._C._get_obj_in_tls
 _remove_obj_from_tls = getattr(torch._C, "_remove_obj_from_tls", None)
 STASHES_CONTEXT = _remove_obj_from_tls is not None
 _stash_obj_in_tls = torch._C._stash_obj_in_tls
-_top_hooks = _autograd._top_saved_tensors_default_hooks
-_pop_hooks = _autograd._pop_saved_tensors_default_hooks
-_push_hooks = _autograd._push_saved_tensors_default_hooks
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_pop_hooks = torch._C._autograd._pop_saved_tensors_default_hooks
+_push_hooks = torch._C._autograd._push_saved_tensors_default_hooks
 
 
 class python_free_tls:  # noqa: N801 - used like a function returning a context manager
@@ -143,17 +141,14 @@ class python_free_tls:  # noqa: N801 - used like a function returning a context 
         if STASHES_CONTEXT and _is_key_in_tls(_CONTEXT_KEY):
             self.context = _get_obj_in_tls(_CONTEXT_KEY)
             _remove_obj_from_tls(_CONTEXT_KEY)
-        self.hooks = None  # the usual backward has none: no list then
+        self.hooks = ()  # the usual backward has none; the innermost ends up last, pushed back last
         while (top := _top_hooks(True)) is not None:
-            if self.hooks is None:
-                self.hooks = []
-            self.hooks.append(top)
+            self.hooks = (top, *self.hooks)
             _pop_hooks()
 
     def __exit__(self, *exc: object) -> None:
-        if self.hooks is not None:
-            for pack, unpack in reversed(self.hooks):
-                _push_hooks(pack, unpack)
+        for pack, unpack in self.hooks:
+            _push_hooks(pack, unpack)
         if self.context is not None:
             _stash_obj_in_tls(_CONTEXT_KEY, self.context)
 
@@ -172,28 +167,24 @@ class CommStats:
 
 
 class PendingCollective:
-    """An issued collective; ``finish`` waits and runs the copy-out once. ``name`` names it if the
-    wait fails: a string, or a function that builds one only then."""
+    """An issued collective; ``finish`` waits and runs the copy-out (``on_done``) once. ``name`` names it
+    if the wait fails: a string, or a function that builds one only then."""
 
-    __slots__ = ("work", "on_done", "done", "name")
+    __slots__ = ("work", "on_done", "name")
 
-    def __init__(
-        self, work: object, on_done: Callable[[], None] | None, name: str | Callable[[], str] = "a collective"
-    ) -> None:
+    def __init__(self, work: object, on_done: Callable[[], None], name: str | Callable[[], str]) -> None:
         self.work = work
-        self.on_done = on_done
-        self.done = False
+        self.on_done = on_done  # None once finished
         self.name = name
 
     def finish(self) -> None:
-        if self.done:
+        on_done, self.on_done = self.on_done, None
+        if on_done is None:
             return
-        self.done = True
         work, self.work = self.work, None  # a gloo Work kept alive past shutdown aborts the process at exit
         if work is not None:
             wait_named(work, self.name)
             work = None  # drop the backend's hold on the input before copy-out allocates
-        on_done, self.on_done = self.on_done, None
         on_done()
 
 
