@@ -74,11 +74,6 @@ def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(everywhere), frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
-def fold_digest(digest: int, uid: int, kind: int, nbytes: int) -> int:
-    """``digest`` with one more collective (group, kind, bytes) folded in: equal digests mean equal sequences."""
-    return (digest * 1_000_003 + (uid * 8 + kind) * 65_537 + nbytes) % ((1 << 61) - 1)
-
-
 def collective_text(uid: int, kind: int, nbytes: int | None, name_of: Callable[[int], str]) -> str:
     """``all-gather of 'blocks.3' (Block), 1736 bytes`` (``nbytes`` None: size not known)."""
     return f"{KINDS[kind]} of {name_of(uid)}" + ("" if nbytes is None else f", {nbytes} bytes")
@@ -111,7 +106,8 @@ class Ledger:
         if len(self.log) == SLOTS:
             self.close_round()
         self.log.append(entry)
-        self.digest = fold_digest(self.digest, entry.uid, entry.kind, entry.nbytes)
+        # one more collective (group, kind, bytes) folded in: equal digests mean equal sequences
+        self.digest = (self.digest * 1_000_003 + (entry.uid * 8 + entry.kind) * 65_537 + entry.nbytes) % ((1 << 61) - 1)
         self.name_of = name_of
 
     def close_round(self) -> None:
@@ -203,9 +199,7 @@ class Ledgers:
     def ledger(self, group, device: torch.device, before_each: bool = False) -> Ledger:
         """``group``'s ledger, agreeing on ``device`` from its next round (a moved model keeps its log
         and its previous round's unread verdict)."""
-        ledger = self.by_group.get(group)
-        if ledger is None:
-            ledger = self.by_group[group] = Ledger(group, device, before_each)
+        ledger = self.by_group.setdefault(group, Ledger(group, device, before_each))
         ledger.device = device
         return ledger
 
@@ -238,9 +232,7 @@ class Handshakes:
 
     def __init__(self, uid: int, device: torch.device) -> None:
         self.uid = uid
-        everywhere, on_gloo = handshake_kinds()
-        self.everywhere = everywhere  # kinds checked on every backend
-        self.on_gloo = everywhere | on_gloo  # kinds checked on gloo: every kind checked anywhere
+        self.everywhere, self.on_gloo = handshake_kinds()  # kinds checked on every backend, and on gloo
         self.device = device
         self.name_of: Callable[[int], str] = _unknown_group  # names any group by its uid (messages name other ranks')
         self._entries: dict[tuple[int, int, object], Entry | None] = {}
@@ -260,25 +252,21 @@ class Handshakes:
             self.ledgers = ledgers
             self._entries.clear()
 
-    def _entry(self, kind: int, nbytes: int, group) -> Entry | None:
-        """The handshake of this collective on ``group`` (``None``: the default), if it has one."""
-        group = group if group is not None else dist.group.WORLD
+    def check(self, kind: int, nbytes: int, group) -> None:
+        """Log this collective before it is issued. On gloo the round closes at once (``ExecutionOrderError``
+        on every rank unless all agree), except after a reduce-scatter: the schedule issues it once the next
+        round on its process group closed (``Ledgers.flush``), which then covers both."""
+        if kind not in self.on_gloo:  # checked on no backend
+            return
         key = (kind, nbytes, group)
         entry = self._entries.get(key, False)
-        if entry is False:
+        if entry is False:  # first seen: whether it has a handshake here, and in which ledger
             gloo = dist.get_backend(group) == "gloo"
             entry = None
             if group.size() > 1 and kind in (self.on_gloo if gloo else self.everywhere):
                 device = torch.device("cpu") if gloo else self.device  # gloo: judged on the host
                 entry = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, device, before_each=gloo))
             self._entries[key] = entry
-        return entry
-
-    def check(self, kind: int, nbytes: int, group) -> None:
-        """Log this collective before it is issued. On gloo the round closes at once (``ExecutionOrderError``
-        on every rank unless all agree), except after a reduce-scatter: the schedule issues it once the next
-        round on its process group closed (``Ledgers.flush``), which then covers both."""
-        entry = self._entry(kind, nbytes, group) if kind in self.on_gloo else None
         if entry is not None:
             ledger = entry.ledger
             ledger.record(entry, self.name_of)
