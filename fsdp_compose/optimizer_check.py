@@ -14,6 +14,7 @@ unseen from here. ``ignored_params`` and frozen parameters are left alone.
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -24,7 +25,6 @@ from .runtime.state import owner_of, replaced_at
 
 _IGNORED_ATTR = "_fsdp_compose_ignored"
 _CHECKED_ATTR = "_fsdp_compose_checked_groups"
-_installed = False
 
 
 def mark_ignored(param: nn.Parameter) -> None:
@@ -32,12 +32,10 @@ def mark_ignored(param: nn.Parameter) -> None:
     setattr(param, _IGNORED_ATTR, True)
 
 
+@functools.cache
 def install_optimizer_check() -> None:
     """Register the step pre-hook once per process."""
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_check_first_step)
-        _installed = True
+    register_optimizer_step_pre_hook(_check_first_step)
 
 
 def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

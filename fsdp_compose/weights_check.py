@@ -32,11 +32,10 @@ def check_same_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceM
         return
     # plain tensors only: a subclass (float8, NF4, the extension protocol's) defines its own arithmetic
     params = {name: v for name, v in pieces.items() if type(v) in (torch.Tensor, nn.Parameter)}
-    values = list(params.values())
-    if not values:
+    if not params:
         return
     with torch.no_grad():
-        prints = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in values])
+        prints = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in params.values()])
         prints = torch.nan_to_num(prints.to(device), nan=1.0e300).flatten()  # NaN compares equal to itself here
         groups = tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
         found = disagreement(torch.cat([prints, -prints]), groups, f"fully_shard({owner})'s comparison of weights")
