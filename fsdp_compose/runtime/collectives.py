@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.autograd.profiler as _autograd_profiler
@@ -188,16 +188,13 @@ class PendingCollective:
         on_done()
 
 
-@dataclass
 class GatherLayout:
-    """Column widths (in bytes) of each parameter inside one group's flat buffer."""
+    """Column widths (in bytes) of each parameter inside one group's flat buffer, and their sum."""
 
-    sizes: list[int]
-    world_size: int
-    total: int = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.total = sum(self.sizes)
+    def __init__(self, sizes: list[int], world_size: int) -> None:
+        self.sizes = sizes
+        self.world_size = world_size
+        self.total = sum(sizes)
 
 
 def all_gather_flat(
