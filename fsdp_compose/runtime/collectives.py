@@ -147,8 +147,9 @@ class python_free_tls:  # noqa: N801 - used like a function returning a context 
             _pop_hooks()
 
     def __exit__(self, *exc: object) -> None:
-        for pack, unpack in self.hooks:
-            _push_hooks(pack, unpack)
+        if self.hooks:  # no iterator built in the usual case
+            for pack, unpack in self.hooks:
+                _push_hooks(pack, unpack)
         if self.context is not None:
             _stash_obj_in_tls(_CONTEXT_KEY, self.context)
 
