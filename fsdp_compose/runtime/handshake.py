@@ -61,7 +61,8 @@ def check_mode() -> str:
 
 
 def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
-    """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``: (on every backend, on gloo).
+    """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``: (on every backend, on gloo),
+    the second holding the first.
 
     On gloo all of them unless the check is off: judged before the collective, the handshake keeps a
     divergence from reaching gloo's abort. HSDP's all-reduce everywhere: replicas never meet in a shard
