@@ -75,9 +75,9 @@ def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
     return frozenset(everywhere), frozenset((ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE))
 
 
-def collective_text(uid: int, kind: int, nbytes: int | None, name_of: Callable[[int], str]) -> str:
-    """``all-gather of 'blocks.3' (Block), 1736 bytes`` (``nbytes`` None: size not known)."""
-    return f"{KINDS[kind]} of {name_of(uid)}" + ("" if nbytes is None else f", {nbytes} bytes")
+def collective_text(uid: int, kind: int, nbytes: int, name_of: Callable[[int], str]) -> str:
+    """``all-gather of 'blocks.3' (Block), 1736 bytes``."""
+    return f"{KINDS[kind]} of {name_of(uid)}, {nbytes} bytes"
 
 
 class Entry:
