@@ -37,7 +37,6 @@ def _managed_params(
     Returns every place each parameter is registered (a tied weight has several) and its
     first name relative to its module (prefixed by the module's index when there are several).
     """
-    module = modules[0]
     places: dict[nn.Parameter, list[ParamPlace]] = {}
     names: dict[nn.Parameter, str] = {}
     prefixes = [""] if len(modules) == 1 else [f"[{i}]." for i in range(len(modules))]
@@ -50,11 +49,10 @@ def _managed_params(
             fqn = f"{prefix}{name}"
             owner = owner_of(param)
             if owner is not None:
-                _raise_owned(module, fqn, owner, param, current, prefix)
+                _raise_owned(modules[0], fqn, owner, param, current, prefix)
             places.setdefault(param, []).append(ParamPlace(current, name))
             names.setdefault(param, fqn)
-        children = list(current.named_children())
-        for child_name, child in reversed(children):
+        for child_name, child in reversed(list(current.named_children())):
             if state_of(child) is None and child not in modules:
                 stack.append((f"{prefix}{child_name}.", child))
     return places, names
@@ -98,25 +96,25 @@ def _raise_owned(
     )
 
 
-def _check_one_device(module: nn.Module, names: dict[nn.Parameter, str]) -> torch.device | None:
+def _check_one_device(name: str, names: dict[nn.Parameter, str]) -> torch.device | None:
     first_by_device: dict[torch.device, str] = {}
     for param, fqn in names.items():
         first_by_device.setdefault(param.device, fqn)
     if len(first_by_device) > 1:
         listing = ", ".join(f"'{fqn}' on {device}" for device, fqn in first_by_device.items())
         raise ValueError(
-            f"fully_shard({class_name(module)}): parameters are on different devices "
-            f"({listing}); move the module to one device first"
+            f"fully_shard({name}): parameters are on different devices ({listing}); move the module to one device first"
         )
     return next(iter(first_by_device), None)
 
 
-def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> tuple[bool | None, int | None]:
+def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> tuple[bool, int | None]:
     """``reshard_after_forward`` as (whether forward reshards, the ranks that keep a slice after it or None).
 
-    As in torch, an int of 1 keeps everything (False) and the shard group's size is True."""
+    ``None`` (the default) reshards. As in torch, an int of 1 keeps everything (False) and the shard
+    group's size is True."""
     if value is None or isinstance(value, bool):
-        return value, None
+        return value is not False, None
     shard_size = mesh.size(mesh.ndim - 1)
     if not isinstance(value, int) or value < 1 or shard_size % value:
         raise ValueError(
@@ -129,11 +127,10 @@ def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> tuple[boo
 _NOT_DATA_PARALLEL = ("tp", "cp", "pp", "ep", "tensor", "context", "pipeline", "expert")
 
 
-def _check_mesh(module: nn.Module, mesh: DeviceMesh) -> None:
+def _check_mesh(name: str, mesh: DeviceMesh) -> None:
     """A 1-D mesh, or a 2-D one whose dim names say (replicate, shard), the order it is read in by position:
     a mesh built in the other order, or the full (dp, tp) mesh, would otherwise run HSDP on the wrong axes
     without a word. torch's FSDP2 also requires dim names."""
-    name = class_name(module)
     if mesh.ndim not in (1, 2):
         raise ValueError(
             f"fully_shard({name}, mesh=<{mesh.ndim}-D mesh>): pass a 1-D mesh (shard) or a 2-D mesh "
@@ -237,43 +234,41 @@ def fully_shard(
         raise ValueError("fully_shard([]): pass at least one module")
     for m in modules:
         _check_module(m)
-    module_list, module = module, modules[0]
+    name = class_name(modules[0])
     mesh = mesh if mesh is not None else default_mesh()
-    spmd_mesh = None
+    spmd_mesh, dp_dims = None, frozenset()
     if dp_mesh_dims is not None:
         if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
             raise NotImplementedError(
-                f"fully_shard({class_name(module)}, reshard_after_forward={reshard_after_forward!r}, "
+                f"fully_shard({name}, reshard_after_forward={reshard_after_forward!r}, "
                 "dp_mesh_dims=...): an int is not supported with dp_mesh_dims; pass True or False"
             )
-        spmd_mesh, mesh = mesh, data_parallel_mesh(class_name(module), mesh, dp_mesh_dims)
-    _check_mesh(module, mesh)
-    validate_policies(class_name(module), mesh.device_type, default_device_type(), mp_policy, offload_policy)
-    reshard_after_forward_chosen = reshard_after_forward is not None
-    forward_reshards, _ = _post_forward_ranks(class_name(module), mesh, reshard_after_forward)
+        spmd_mesh, mesh = mesh, data_parallel_mesh(name, mesh, dp_mesh_dims)
+        dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
+    _check_mesh(name, mesh)
+    validate_policies(name, mesh.device_type, default_device_type(), mp_policy, offload_policy)
+    forward_reshards, _ = _post_forward_ranks(name, mesh, reshard_after_forward)
     ignored = set(ignored_params or ())
     for param in ignored:
         mark_ignored(param)
     places, names = _managed_params(modules, ignored)
-    param_device = _check_one_device(module, names)
+    param_device = _check_one_device(name, names)
     on_meta = param_device is not None and param_device.type == "meta"  # materialized later, by to_empty
     # one group per mesh, in the order of their first parameters
     by_mesh: dict[tuple, tuple[DeviceMesh, dict[nn.Parameter, ShardedParam]]] = {}
     for param in places:
         fqn = names[param]
-        shard_dim, param_mesh = resolve_placement(shard_placement_fn, param, fqn, class_name(module))
-        spmd, dp_dims = None, frozenset()
-        if param_mesh is not None and spmd_mesh is not None:
-            raise NotImplementedError(
-                f"fully_shard({class_name(module)}, dp_mesh_dims=...): shard_placement_fn put parameter '{fqn}' "
-                "on a mesh of its own; a per-parameter mesh takes a data-parallel mesh, not dp_mesh_dims"
-            )
-        group_mesh = mesh if param_mesh is None else param_mesh
+        shard_dim, param_mesh = resolve_placement(shard_placement_fn, param, fqn, name)
+        spmd = None
         if spmd_mesh is not None:
-            spmd = spmd_shard_layout(class_name(module), spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
-            dp_dims = data_parallel_dims(spmd_mesh, dp_mesh_dims)
-        device = mesh_device(group_mesh)
-        layout = resolve_layout(param.dtype, device, mp_policy, offload_policy, on_meta)
+            if param_mesh is not None:
+                raise NotImplementedError(
+                    f"fully_shard({name}, dp_mesh_dims=...): shard_placement_fn put parameter '{fqn}' "
+                    "on a mesh of its own; a per-parameter mesh takes a data-parallel mesh, not dp_mesh_dims"
+                )
+            spmd = spmd_shard_layout(name, spmd_mesh, dp_mesh_dims, mesh, param, fqn, shard_dim)
+        group_mesh = mesh if param_mesh is None else param_mesh
+        layout = resolve_layout(param.dtype, mesh_device(group_mesh), mp_policy, offload_policy, on_meta)
         sp = ShardedParam(param, places[param], fqn, group_mesh, layout, shard_dim, spmd, dp_dims, mp_policy)
         by_mesh.setdefault(_mesh_key(group_mesh), (group_mesh, {}))[1][param] = sp
     if not by_mesh:  # a call without parameters still has a (empty) group on its mesh
@@ -282,19 +277,16 @@ def fully_shard(
     groups = []
     for group_mesh, sharded in by_mesh.values():
         if group_mesh is not mesh:
-            _check_mesh(module, group_mesh)
-        _, post_forward_ranks = _post_forward_ranks(class_name(module), group_mesh, reshard_after_forward)
+            _check_mesh(name, group_mesh)
+        _, post_forward_ranks = _post_forward_ranks(name, group_mesh, reshard_after_forward)
         device = mesh_device(group_mesh)
-        check_same_values(class_name(module), {names[p]: p for p in sharded}, group_mesh, device)  # a collective
+        check_same_values(name, {names[p]: p for p in sharded}, group_mesh, device)  # a collective
         groups.append((group_mesh, sharded, device, post_forward_ranks))
 
     # Nothing above changed the model; from here on, commit.
-    reshards = True if forward_reshards is None else forward_reshards
-    options = dict(reshard_after_forward=reshards, reshard_after_forward_chosen=reshard_after_forward_chosen)
-    states = [
-        _build_state(modules, group_mesh, sharded, device, post_forward_ranks, dict(options, mp_policy=mp_policy))
-        for group_mesh, sharded, device, post_forward_ranks in groups
-    ]
+    chosen = reshard_after_forward is not None
+    options = dict(reshard_after_forward=forward_reshards, reshard_after_forward_chosen=chosen, mp_policy=mp_policy)
+    states = [_build_state(modules, *group, options) for group in groups]
     state = states[0]
     state.companions = states[1:]
     for s in state.companions:  # the one link a state cannot have at construction: they are built together
@@ -311,7 +303,7 @@ def fully_shard(
         for s in states:
             m.register_forward_hook(partial(post_forward_hook, s))
         become_fsdp_module(m)
-    return module_list
+    return module
 
 
 def _mesh_key(mesh: DeviceMesh) -> tuple:
@@ -324,15 +316,13 @@ def _build_state(
     mesh: DeviceMesh,
     sharded: dict[nn.Parameter, ShardedParam],
     device: torch.device,
-    post_forward_ranks: int | None,
+    ranks: int | None,  # reshard_after_forward=<int>: the ranks that keep a slice after forward
     options: dict,
 ) -> GroupState:
     """One group of a call (the parameters on one mesh) and its state; marks its parameters as its own."""
-    comm = CommOptions()  # the process group's own collectives until set_custom_* swaps them
-    post_forward = None
-    if post_forward_ranks is not None:
-        post_forward = PostForward(post_forward_ranks, post_forward_group(mesh, post_forward_ranks))
-    group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), comm, post_forward)
+    post_forward = None if ranks is None else PostForward(ranks, post_forward_group(mesh, ranks))
+    # CommOptions(): the process group's own collectives until set_custom_* swaps them
+    group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), CommOptions(), post_forward)
     state = GroupState(modules=modules, group=group, **options)  # the call's options, shared by its groups
     for index, (original, sp) in enumerate(sharded.items()):
         sp.on_grad_accumulated = partial(on_grad_accumulated, state, index)  # a post-accumulate-grad hook
