@@ -6,12 +6,14 @@ module keeps its place, name and forward.
 
 from __future__ import annotations
 
+import functools
+
 from torch import nn
 
 from .module_settings import FSDPModuleSettings
 from .runtime.hooks.forward import frame_not_traced
 from .runtime.refresh import follow_module
-from .runtime.state import INTERFACE_MARK, GroupState, class_name, state_of, states_in, user_class
+from .runtime.state import INTERFACE_MARK, GroupState, class_name, state_of, user_class
 
 
 class UnshardHandle:
@@ -58,18 +60,6 @@ class FSDPModule(FSDPModuleSettings):
         """``nn.Module``'s call, in a frame dynamo does not trace: a compiled block starts compiling at
         its ``forward`` (``runtime/hooks/forward.py``)."""
         return super()._call_impl(*args, **kwargs)
-
-    def _fsdp_state(self) -> GroupState:
-        state = state_of(self)
-        if state is None:
-            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
-        return state
-
-    def _fsdp_states(self, recurse: bool) -> list[GroupState]:
-        """This call's states (one per mesh), or with ``recurse`` every state in the subtree."""
-        if not recurse:
-            return self._fsdp_state().call_states
-        return [s for _, s in states_in(self)]
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (e.g. ahead of its forward).
@@ -130,9 +120,7 @@ class FSDPModule(FSDPModuleSettings):
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether parameters are freed after forward and re-gathered in backward."""
         if not isinstance(reshard_after_forward, bool):
-            raise ValueError(
-                f"{class_name(self)}.set_reshard_after_forward: pass True or False, got {reshard_after_forward!r}"
-            )
+            raise self._error(f"set_reshard_after_forward: pass True or False, got {reshard_after_forward!r}")
         for state in self._fsdp_states(recurse):
             state.reshard_after_forward = reshard_after_forward
             state.reshard_after_forward_chosen = True  # the root follows it too
@@ -169,22 +157,20 @@ def _state_for_prefetch(module: nn.Module) -> GroupState:
     return state
 
 
-_fsdp_classes: dict[type, type] = {}
-
-
 def become_fsdp_module(module: nn.Module) -> None:
     cls = type(module)
-    if issubclass(cls, FSDPModule):
-        return
-    new_cls = _fsdp_classes.get(cls)
-    if new_cls is None:
-        new_cls = type(
-            f"FSDP{cls.__name__}",
-            (FSDPModule, cls),
-            {"__module__": cls.__module__, "__deepcopy__": _refuse_deepcopy, INTERFACE_MARK: True},
-        )
-        _fsdp_classes[cls] = new_cls
-    module.__class__ = new_cls
+    if not issubclass(cls, FSDPModule):
+        module.__class__ = _fsdp_class(cls)
+
+
+@functools.cache
+def _fsdp_class(cls: type) -> type:
+    """The swapped-in subclass of ``cls``, one per class."""
+    return type(
+        f"FSDP{cls.__name__}",
+        (FSDPModule, cls),
+        {"__module__": cls.__module__, "__deepcopy__": _refuse_deepcopy, INTERFACE_MARK: True},
+    )
 
 
 def _refuse_deepcopy(module: nn.Module, memo: dict) -> None:

@@ -28,16 +28,21 @@ class FSDPModuleSettings:
 
     _fsdp_compose_interface = True  # state.INTERFACE_MARK: class names skip this class
 
-    # provided by FSDPModule
-    def _fsdp_state(self) -> GroupState: ...
-    def _fsdp_states(self, recurse: bool) -> list[GroupState]: ...
+    def _fsdp_state(self) -> GroupState:
+        state = state_of(self)
+        if state is None:
+            raise RuntimeError(f"{type(self).__name__} has no fully_shard state")
+        return state
 
-    def _fsdp_name(self) -> str:
-        return class_name(self)
+    def _fsdp_states(self, recurse: bool) -> list[GroupState]:
+        """This call's states (one per mesh), or with ``recurse`` every state in the subtree."""
+        if not recurse:
+            return self._fsdp_state().call_states
+        return [s for _, s in states_in(self)]
 
     def _error(self, text: str, cls: type[Exception] = ValueError) -> Exception:
         """A ``cls`` whose message names the module: ``Block.<text>``."""
-        return cls(f"{self._fsdp_name()}.{text}")
+        return cls(f"{class_name(self)}.{text}")
 
     # ----- recovery ---------------------------------------------------------------------
     def reset_iter_state(self) -> None:
@@ -132,16 +137,14 @@ class FSDPModuleSettings:
         """
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for state in self._fsdp_states(recurse):
-            group = state.group
+            comm = state.group.comm
             if not enable:
-                group.comm.reduce_process_group = None
-                continue
-            if group.comm.reduce_process_group is not None:
-                continue
-            ranks = tuple(dist.get_process_group_ranks(group.process_group))
-            if ranks not in created:
-                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            group.comm.reduce_process_group = created[ranks]
+                comm.reduce_process_group = None
+            elif comm.reduce_process_group is None:
+                ranks = tuple(dist.get_process_group_ranks(state.group.process_group))
+                if ranks not in created:
+                    created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+                comm.reduce_process_group = created[ranks]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this group's unsharded parameters.
@@ -161,10 +164,7 @@ class FSDPModuleSettings:
         ``uint8`` buffer for the whole group) and ``comm(output_tensor, input_tensor, group,
         async_op)`` runs the collective, e.g. on another process group.
         """
-        check_comm(comm, "set_custom_all_gather", self._fsdp_name())
-        for state in self._fsdp_states(recurse=False):
-            self._refuse_with_pg_allocation(state.group, "set_custom_all_gather")
-            state.group.comm.all_gather, state.group.comm.custom = comm, True
+        self._set_custom_comm("set_custom_all_gather", "all_gather", comm)
 
     def set_custom_reduce_scatter(self, comm: ReduceScatter) -> None:
         """Run this group's gradient reduce-scatters through ``comm`` (``ReduceScatter`` protocol).
@@ -172,17 +172,19 @@ class FSDPModuleSettings:
         ``op`` is always ``ReduceOp.SUM``; the input buffer is a ``(world, n)`` table of
         padded gradients in the reduce dtype, flattened.
         """
-        check_comm(comm, "set_custom_reduce_scatter", self._fsdp_name())
-        for state in self._fsdp_states(recurse=False):
-            self._refuse_with_pg_allocation(state.group, "set_custom_reduce_scatter")
-            state.group.comm.reduce_scatter, state.group.comm.custom = comm, True
+        self._set_custom_comm("set_custom_reduce_scatter", "reduce_scatter", comm)
 
-    def _refuse_with_pg_allocation(self, group, method: str) -> None:
-        if group.comm.pg_allocation:
-            raise self._error(
-                f"{method}: cannot be combined with "
-                "set_allocate_memory_from_process_group_for_comm(True); turn that off first"
-            )
+    def _set_custom_comm(self, method: str, field: str, comm: AllGather | ReduceScatter) -> None:
+        """``comm`` as this call's groups' ``field`` (``all_gather`` or ``reduce_scatter``)."""
+        check_comm(comm, method, class_name(self))
+        for state in self._fsdp_states(recurse=False):
+            if state.group.comm.pg_allocation:
+                raise self._error(
+                    f"{method}: cannot be combined with "
+                    "set_allocate_memory_from_process_group_for_comm(True); turn that off first"
+                )
+            setattr(state.group.comm, field, comm)
+            state.group.comm.custom = True
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
         """Call ``hook(reduce_output)`` on each reduced gradient shard, in place, before the division.
@@ -253,31 +255,27 @@ class FSDPModuleSettings:
             self._allocate_from_process_group(state.group, enable)
 
     def _allocate_from_process_group(self, group, enable: bool) -> None:
-        if not enable:
-            if group.comm.pg_allocation:
-                group.comm.all_gather, group.comm.reduce_scatter = DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
-                group.comm.pg_allocation = False
-            return
-        if group.comm.custom:
+        comm = group.comm
+        if enable and comm.custom:
             raise self._error(
                 "set_allocate_memory_from_process_group_for_comm: cannot be "
                 "combined with set_custom_all_gather / set_custom_reduce_scatter"
             )
-        if group.comm.pg_allocation:
+        if comm.pg_allocation == bool(enable):
             return
-        device = group.device
-        all_gather = ProcessGroupAllGather(group.process_group, device)
-        reduce_group = group.comm.reduce_process_group or group.process_group
-        reduce_scatter = ProcessGroupReduceScatter(reduce_group, device)
-        if not all_gather.supported:
-            warnings.warn(
-                f"{self._fsdp_name()}.set_allocate_memory_from_process_group_for_comm: the "
-                f"{dist.get_backend(group.process_group)} process group provides no allocator on {device.type}; "
-                "collective buffers come from the default allocator",
-                stacklevel=2,
-            )
-        group.comm.all_gather, group.comm.reduce_scatter = all_gather, reduce_scatter
-        group.comm.pg_allocation = True
+        if enable:
+            all_gather = ProcessGroupAllGather(group.process_group, group.device)
+            reduce_scatter = ProcessGroupReduceScatter(comm.reduce_process_group or group.process_group, group.device)
+            if not all_gather.supported:
+                warnings.warn(
+                    f"{class_name(self)}.set_allocate_memory_from_process_group_for_comm: the "
+                    f"{dist.get_backend(group.process_group)} process group provides no allocator on "
+                    f"{group.device.type}; collective buffers come from the default allocator",
+                    stacklevel=2,
+                )
+        else:
+            all_gather, reduce_scatter = DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
+        comm.all_gather, comm.reduce_scatter, comm.pg_allocation = all_gather, reduce_scatter, bool(enable)
 
 
 def _on_stream(hook: Callable[[torch.Tensor], None], stream: torch.Stream) -> Callable[[torch.Tensor], None]:
@@ -301,21 +299,19 @@ def share_comm_ctx(modules: list) -> None:
     """
     if not modules:
         return
-    states = [state_of(module) for module in modules]  # a module is an FSDPModule iff it has state
-    for module, state in zip(modules, states):
-        if state is None:
+    for module in modules:
+        if state_of(module) is None:  # a module is an FSDPModule iff it has state
             raise ValueError(f"share_comm_ctx expects a list of FSDPModules but got {type(module).__name__}")
-    first = states[0].group
     shared = next(
         (s.group.comm.reduce_process_group for _, s in states_in(modules[0]) if s.group.comm.reduce_process_group),
         None,
     )
-    ranks = dist.get_process_group_ranks(first.process_group)
+    ranks = dist.get_process_group_ranks(state_of(modules[0]).group.process_group)
     for state in [s for module in modules[1:] for _, s in states_in(module)]:
-        if dist.get_process_group_ranks(state.group.process_group) != ranks:
+        theirs = dist.get_process_group_ranks(state.group.process_group)
+        if theirs != ranks:
             raise ValueError(
-                f"share_comm_ctx: {class_name(state.module)} shards over ranks "
-                f"{dist.get_process_group_ranks(state.group.process_group)}, the first module over {ranks}; "
-                "only modules on the same shard ranks can share communication"
+                f"share_comm_ctx: {class_name(state.module)} shards over ranks {theirs}, the first module over "
+                f"{ranks}; only modules on the same shard ranks can share communication"
             )
         state.group.comm.reduce_process_group = shared
