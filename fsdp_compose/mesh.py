@@ -32,11 +32,8 @@ def _rank_cache() -> dict:
 
 def default_device_type() -> str:
     """The accelerator torch would use, else CPU (gloo)."""
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        device = accelerator.current_accelerator()
-        if device is not None:
-            return device.type
+    if torch.accelerator.is_available():  # then current_accelerator() is that accelerator
+        return torch.accelerator.current_accelerator().type
     return "cpu"
 
 
@@ -60,9 +57,8 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
     """The device that parameters of this mesh should live on."""
     if mesh.device_type == "cpu":
         return torch.device("cpu")
-    accelerator = getattr(torch, "accelerator", None)
-    if accelerator is not None and accelerator.is_available():
-        return torch.device(mesh.device_type, accelerator.current_device_index())
+    if torch.accelerator.is_available():
+        return torch.device(mesh.device_type, torch.accelerator.current_device_index())
     return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
 
 
