@@ -59,8 +59,7 @@ def validate_policies(
 
 def collective_dtypes(dtype: torch.dtype, mp_policy: MixedPrecisionPolicy) -> tuple[torch.dtype, torch.dtype]:
     """The all-gather and reduce-scatter dtypes of a parameter whose own dtype is ``dtype``."""
-    floating = dtype.is_floating_point
-    gather_dtype = mp_policy.param_dtype if floating and mp_policy.param_dtype is not None else dtype
-    if floating and mp_policy.reduce_dtype is not None:
-        return gather_dtype, mp_policy.reduce_dtype
-    return gather_dtype, gather_dtype
+    if not dtype.is_floating_point:  # integer and bool parameters keep their dtype
+        return dtype, dtype
+    gather_dtype = mp_policy.param_dtype if mp_policy.param_dtype is not None else dtype
+    return gather_dtype, mp_policy.reduce_dtype if mp_policy.reduce_dtype is not None else gather_dtype
