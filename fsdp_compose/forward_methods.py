@@ -28,9 +28,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return
     method = getattr(type(module), method_name, None)
     if not callable(method):
-        raise ValueError(
-            f"register_fsdp_forward_method: {class_name(module)} has no method {method_name!r}"
-        )
+        raise ValueError(f"register_fsdp_forward_method: {class_name(module)} has no method {method_name!r}")
     states = state_of(module).call_states  # one per mesh the call's parameters are on
 
     @functools.wraps(method)

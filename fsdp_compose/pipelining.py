@@ -99,4 +99,3 @@ def _refuse_resharded_weight_pass(schedule) -> None:
                     f"'{name or '<root>'}' of stage {stage.stage_index} was resharded: its gradients would be "
                     "lost. Call fully_shard with reshard_after_forward=False on that stage's modules"
                 )
-
