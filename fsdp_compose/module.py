@@ -100,8 +100,7 @@ class FSDPModule(FSDPModuleSettings):
         While off, unsharded gradients accumulate locally; the first backward with sync on
         reduces them together with its own.
         """
-        for state in self._fsdp_states(recurse):
-            state.requires_gradient_sync = requires_gradient_sync
+        self._set_on_states(recurse, requires_gradient_sync=requires_gradient_sync)
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
         """HSDP only: skip the all-reduce across replicas for accumulation steps.
@@ -109,36 +108,29 @@ class FSDPModule(FSDPModuleSettings):
         Reduce-scatters still run; their results are kept as partial sums and all-reduced
         together at the first backward with all-reduce back on.
         """
-        for state in self._fsdp_states(recurse):
-            state.requires_all_reduce = requires_all_reduce
+        self._set_on_states(recurse, requires_all_reduce=requires_all_reduce)
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
         """Keep parameters unsharded after backward (saves an all-gather next forward)."""
-        for state in self._fsdp_states(recurse):
-            state.reshard_after_backward = reshard_after_backward
+        self._set_on_states(recurse, reshard_after_backward=reshard_after_backward)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
         """Change whether parameters are freed after forward and re-gathered in backward."""
         if not isinstance(reshard_after_forward, bool):
             raise self._error(f"set_reshard_after_forward: pass True or False, got {reshard_after_forward!r}")
-        for state in self._fsdp_states(recurse):
-            state.reshard_after_forward = reshard_after_forward
-            state.reshard_after_forward_chosen = True  # the root follows it too
+        # chosen: the root follows it too
+        self._set_on_states(recurse, reshard_after_forward=reshard_after_forward, reshard_after_forward_chosen=True)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules right after this one's all-gather in forward.
 
         Replaces the recorded-order prefetch for this module; an empty list turns it off.
         """
-        targets = [s for m in modules for s in _state_for_prefetch(m).call_states]
-        for state in self._fsdp_states(recurse=False):
-            state.forward_prefetch = targets
+        self._set_on_states(False, forward_prefetch=_prefetch_targets(modules))
 
     def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
         """All-gather these modules right after this one's all-gather in backward."""
-        targets = [s for m in modules for s in _state_for_prefetch(m).call_states]
-        for state in self._fsdp_states(recurse=False):
-            state.backward_prefetch = targets
+        self._set_on_states(False, backward_prefetch=_prefetch_targets(modules))
 
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """When False, the end of backward does not wait for gradient reductions.
@@ -146,15 +138,15 @@ class FSDPModule(FSDPModuleSettings):
         For pipeline schedules running several backward passes per step; the reductions are
         waited for at the next last backward or the next root forward.
         """
-        for state in self._fsdp_states(recurse=False):
-            state.is_last_backward = is_last_backward
+        self._set_on_states(False, is_last_backward=is_last_backward)
 
 
-def _state_for_prefetch(module: nn.Module) -> GroupState:
-    state = state_of(module)
-    if state is None:
-        raise ValueError(f"cannot prefetch {class_name(module)}: fully_shard was not called on it")
-    return state
+def _prefetch_targets(modules: list[nn.Module]) -> list[GroupState]:
+    """The states of the calls on ``modules``, in order (each call's states, one per mesh)."""
+    for module in modules:
+        if state_of(module) is None:
+            raise ValueError(f"cannot prefetch {class_name(module)}: fully_shard was not called on it")
+    return [s for m in modules for s in state_of(m).call_states]
 
 
 def become_fsdp_module(module: nn.Module) -> None:

@@ -24,7 +24,7 @@ from .runtime.state import GroupState, class_name, state_of, states_in
 
 
 class FSDPModuleSettings:
-    """Methods of ``FSDPModule`` beyond unshard/reshard/sync (see ``module.py``)."""
+    """Methods of ``FSDPModule`` beyond unshard/reshard/sync (see ``module.py``), and the state accessors all use."""
 
     _fsdp_compose_interface = True  # state.INTERFACE_MARK: class names skip this class
 
@@ -39,6 +39,12 @@ class FSDPModuleSettings:
         if not recurse:
             return self._fsdp_state().call_states
         return [s for _, s in states_in(self)]
+
+    def _set_on_states(self, recurse: bool, **values: object) -> None:
+        """Record ``values`` (state fields) on this call's states, or with ``recurse`` on every state in the subtree."""
+        for state in self._fsdp_states(recurse):
+            for name, value in values.items():
+                setattr(state, name, value)
 
     def _error(self, text: str, cls: type[Exception] = ValueError) -> Exception:
         """A ``cls`` whose message names the module: ``Block.<text>``."""
@@ -103,8 +109,7 @@ class FSDPModuleSettings:
         rank used keeps ``.grad`` unchanged), which is what makes rank-dependent control flow
         (mixture of experts) safe; both values behave that way and are recorded.
         """
-        for state in self._fsdp_states(recurse):
-            state.reduce_scatter_unused_params = bool(reduce_scatter_unused_params)
+        self._set_on_states(recurse, reduce_scatter_unused_params=bool(reduce_scatter_unused_params))
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many groups' reductions may be in flight before backward waits for the oldest.
@@ -124,8 +129,7 @@ class FSDPModuleSettings:
                 "set_reduce_scatter_max_input_buffers: "
                 f"max_input_buffers must be a positive int, got {max_input_buffers}"
             )
-        for state in self._fsdp_states(recurse):
-            state.reduce_buffers = max_input_buffers
+        self._set_on_states(recurse, reduce_buffers=max_input_buffers)
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """Run gradient reduce-scatters on a process group of their own.
@@ -153,8 +157,7 @@ class FSDPModuleSettings:
         weight gradient needs only the indices) skips the all-gather in backward, saving a
         collective and the memory.
         """
-        for state in self._fsdp_states(recurse=False):
-            state.unshard_in_backward = bool(unshard_in_backward)
+        self._set_on_states(False, unshard_in_backward=bool(unshard_in_backward))
 
     # ----- communication hooks ----------------------------------------------------------
     def set_custom_all_gather(self, comm: AllGather) -> None:
