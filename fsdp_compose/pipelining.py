@@ -82,12 +82,11 @@ def _guard_weight_passes(schedules) -> None:
 
 def _refuse_resharded_weight_pass(schedule) -> None:
     order = getattr(schedule, "pipeline_order", None) or {}
-    weight_pass = any(
+    if not any(  # the schedule has a weight pass
         action is not None and getattr(action.computation_type, "name", "") == "BACKWARD_WEIGHT"
         for actions in order.values()
         for action in actions
-    )
-    if not weight_pass:
+    ):
         return
     for stage in getattr(schedule, "_stages", []):
         if not isinstance(stage.submod, FSDPModule):

@@ -131,8 +131,7 @@ def spmd_shard_layout(
     shard_idx = [names.index(n) for n in dims.shard_names]
     after = shard_idx[-1] + 1
     split = 1
-    for j in range(after, mesh.ndim):
-        p = placements[j]
+    for j, p in enumerate(placements[after:], start=after):
         if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
             split *= mesh.size(j)
     dp_placement: Placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
