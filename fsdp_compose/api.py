@@ -96,7 +96,8 @@ def _raise_owned(
     )
 
 
-def _check_one_device(name: str, names: dict[nn.Parameter, str]) -> torch.device | None:
+def _check_one_device(name: str, names: dict[nn.Parameter, str]) -> bool:
+    """Raise unless the parameters share one device; whether it is meta (materialized later, by ``to_empty``)."""
     first_by_device: dict[torch.device, str] = {}
     for param, fqn in names.items():
         first_by_device.setdefault(param.device, fqn)
@@ -105,7 +106,7 @@ def _check_one_device(name: str, names: dict[nn.Parameter, str]) -> torch.device
         raise ValueError(
             f"fully_shard({name}): parameters are on different devices ({listing}); move the module to one device first"
         )
-    return next(iter(first_by_device), None)
+    return any(device.type == "meta" for device in first_by_device)
 
 
 def _post_forward_ranks(name: str, mesh: DeviceMesh, value: object) -> tuple[bool, int | None]:
@@ -252,8 +253,7 @@ def fully_shard(
     for param in ignored:
         mark_ignored(param)
     places, names = _managed_params(modules, ignored)
-    param_device = _check_one_device(name, names)
-    on_meta = param_device is not None and param_device.type == "meta"  # materialized later, by to_empty
+    on_meta = _check_one_device(name, names)
     # one group per mesh, in the order of their first parameters
     by_mesh: dict[tuple, tuple[DeviceMesh, dict[nn.Parameter, ShardedParam]]] = {}
     for param in places:
