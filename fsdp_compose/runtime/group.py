@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
+from functools import cached_property, partial
 from typing import NamedTuple
 
 import torch
@@ -37,11 +37,10 @@ class Reduction:
 
     dtype: torch.dtype
     params: tuple[ShardedParam, ...]
-    row_bytes: int
 
-    @staticmethod
-    def of(dtype: torch.dtype, params: list[ShardedParam]) -> Reduction:
-        return Reduction(dtype, tuple(params), (sum(p.padded_numel for p in params) + len(params)) * dtype.itemsize)
+    @cached_property
+    def row_bytes(self) -> int:
+        return (sum(p.padded_numel for p in self.params) + len(self.params)) * self.dtype.itemsize
 
 
 class PostForward(NamedTuple):
@@ -123,7 +122,6 @@ class ParamGroup:
         with grad_off():
             if self._kept is not None:  # within the small group, from the slice kept after forward
                 pieces, self._kept = [self._kept], None
-                extended = self._extension_layout  # post-all-gather runs again on the small group's gather
                 rows, group = self.post_forward
                 layout = GatherLayout([size * self.world_size // rows for size in self.layout.sizes], rows)
                 rank = self.rank % rows  # in the small group (consecutive ranks)
@@ -144,31 +142,24 @@ class ParamGroup:
                 work, gathered = all_gather_flat(
                     pieces, layout, group, self.stats, self.comm.all_gather, rank, layout.total
                 )
-        finish = partial(self._finish_unshard, gathered, layout, rows, extended)
-        self.pending_unshard = PendingCollective(work, finish, name=self._name_all_gather)
+        finish = partial(self._finish_unshard, gathered, layout, rows)
+        self.pending_unshard = PendingCollective(work, finish, name=lambda: f"the all-gather of {self.label}")
 
     @property
     def label(self) -> str:
         """How errors name the group: ``'blocks.3' (Block)``; before the first forward, the class name."""
         return self.class_name if self.fqn is None else f"'{self.fqn}' ({self.class_name}){self.mesh_text}"
 
-    def _name_all_gather(self) -> str:
-        return f"the all-gather of {self.label}"
-
-    def _name_reduce_scatter(self) -> str:
-        return f"the reduce-scatter of {self.label}"
-
-    def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int, extended: bool = False) -> None:
-        with grad_off():
-            with labelled("copy_out", self):  # into (world, padded bytes) targets, one per extension input
-                targets = [t for p in self.params for t in p.form.targets(p)]
-                if rows != self.world_size:
-                    targets = [t.view(rows, -1) for t in targets]
-                copy_out(gathered, layout, targets)
-                slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
-                for p in self.params:
-                    p.form.finish(p, slice_follows)
-                    use(p, unsharded=True)
+    def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
+        with grad_off(), labelled("copy_out", self):  # into (world, padded bytes) targets, one per extension input
+            targets = [t for p in self.params for t in p.form.targets(p)]
+            if rows != self.world_size:
+                targets = [t.view(rows, -1) for t in targets]
+            copy_out(gathered, layout, targets)
+            slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
+            for p in self.params:
+                p.form.finish(p, slice_follows)
+                use(p, unsharded=True)
         self.is_unsharded = True
 
     def wait_unshard(self) -> None:
@@ -184,8 +175,7 @@ class ParamGroup:
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded storage and register the shards again (``after_forward`` with a post-forward
         group keeps this rank's N-way slice for backward)."""
-        if self.pending_unshard is not None:
-            self.wait_unshard()
+        self.wait_unshard()
         if not self.is_unsharded:
             self._kept = self._kept if after_forward else None
             return
@@ -215,12 +205,13 @@ class ParamGroup:
         keeps partial sums for the next all-reduced reduction.
         """
         issues = []
-        plan = self.reduce_plan()
         comm = self.comm
         group = comm.reduce_process_group or self.process_group
         factor = comm.gradient_divide_factor or self.dp_size
+        # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
+        low_precision_divide = self.world_size if comm.gradient_divide_factor is None else factor
         with grad_off():
-            for reduction in plan:
+            for reduction in self.reduce_plan():
                 dtype, params = reduction.dtype, reduction.params
                 rows, present = [], []
                 for p in params:
@@ -231,13 +222,9 @@ class ParamGroup:
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
                 rows.append(self._flag_rows(dtype, present, all_present))
-                # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
-                if dtype.itemsize >= 4:
-                    pre_divide = 1
-                else:
-                    pre_divide = self.world_size if comm.gradient_divide_factor is None else factor
+                pre_divide = 1 if dtype.itemsize >= 4 else low_precision_divide
                 accumulate_all = all_present or not self._reads_flags(group)
-                finish = partial(self._finish_reduce, params, pre_divide, all_reduce, factor, accumulate_all)
+                finish = partial(self._finish_reduce, params, factor / pre_divide, all_reduce, accumulate_all)
                 self.handshakes.check(REDUCE_SCATTER, reduction.row_bytes, group)
                 issues.append(partial(self._issue_reduce_scatter, rows, group, pre_divide, finish))
         return issues
@@ -248,13 +235,14 @@ class ParamGroup:
             by_dtype: dict[torch.dtype, list[ShardedParam]] = {}
             for p in self.trainable:
                 by_dtype.setdefault(p.layout.reduce_dtype, []).append(p)
-            self._reduce_plan = [Reduction.of(dtype, params) for dtype, params in by_dtype.items()]
+            self._reduce_plan = [Reduction(dtype, tuple(params)) for dtype, params in by_dtype.items()]
         return self._reduce_plan
 
     def _issue_reduce_scatter(self, rows: list, group, pre_divide: float, finish: Callable) -> None:
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
             work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
-        self.pending_reduces.append(PendingCollective(work, partial(finish, reduced), name=self._name_reduce_scatter))
+        pending = PendingCollective(work, partial(finish, reduced), name=lambda: f"the reduce-scatter of {self.label}")
+        self.pending_reduces.append(pending)
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
         """This rank's has-gradient flags as the flag columns of every rank's row (all-present is cached)."""
@@ -262,24 +250,19 @@ class ParamGroup:
             cached = self._all_present.get(dtype)
             if cached is not None:
                 return cached
-        flags = torch.tensor(present, dtype=dtype).to(self.device, non_blocking=True)  # no stream sync on a GPU
-        flags = flags.expand(self.world_size, -1)
+        # non-blocking: no stream sync on a GPU
+        flags = torch.tensor(present, dtype=dtype).to(self.device, non_blocking=True).expand(self.world_size, -1)
         if all_present:
             self._all_present[dtype] = flags
         return flags
 
     def _finish_reduce(
-        self,
-        params: list[ShardedParam],
-        pre_divided: float,
-        all_reduce: bool,
-        factor: float,
-        accumulate_all: bool,
-        reduced: torch.Tensor,
+        self, params: list[ShardedParam], divide: float, all_reduce: bool, accumulate_all: bool, reduced: torch.Tensor
     ) -> None:
-        """``accumulate_all``: add every reduced shard without reading the summed flags (this rank sent
-        every gradient, or off gloo, where the read is a host sync: a parameter no rank had a gradient
-        for then gets zeros instead of keeping ``.grad``)."""
+        """``divide``: what the (pre-divided) sum is still divided by, 1 for nothing. ``accumulate_all``: add
+        every reduced shard without reading the summed flags (this rank sent every gradient, or off gloo,
+        where the read is a host sync: a parameter no rank had a gradient for then gets zeros instead of
+        keeping ``.grad``)."""
         if self.replicate_group is not None:
             earlier = self._partial.pop(reduced.dtype, None)
             if earlier is not None:
@@ -293,8 +276,8 @@ class ParamGroup:
         received = None if accumulate_all else reduced[-len(params) :].tolist()
         if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.comm.all_reduce_hook(reduced[: -len(params)])
-        if factor != pre_divided:
-            reduced.div_(self._divisor(factor / pre_divided, reduced.dtype))
+        if divide != 1:
+            reduced.div_(self._divisor(divide, reduced.dtype))
         offset = reduced.storage_offset()
         for i, p in enumerate(params):
             if received is None or received[i] > 0:  # this rank's shard, shaped (one view op)
@@ -318,19 +301,19 @@ class ParamGroup:
             divisor = self._divisors[value] = torch.tensor(value, dtype=torch.float32, device="cpu")
         return divisor
 
-    def wait_reduces(self) -> None:
+    def wait_reduces(self, discard: bool = False) -> None:
+        """Finish the reductions in flight; ``discard`` (a failed step): without adding their results."""
         pending, self.pending_reduces = self.pending_reduces, []
         for collective in pending:
+            if discard:
+                collective.on_done = _discard
             with labelled("wait", self):
                 collective.finish()
 
     def discard_step(self) -> None:
         """After a failed step: finish in-flight collectives, drop their and accumulated gradients, reshard."""
         self.wait_unshard()
-        pending, self.pending_reduces = self.pending_reduces, []
-        for collective in pending:
-            collective.on_done = _discard
-            collective.finish()
+        self.wait_reduces(discard=True)
         self._partial.clear()
         self.handshakes.ledgers.forget()
         self.reshard()  # drops a kept post-forward slice too
