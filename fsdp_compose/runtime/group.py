@@ -176,15 +176,15 @@ class ParamGroup:
         """Free the unsharded storage and register the shards again (``after_forward`` with a post-forward
         group keeps this rank's N-way slice for backward)."""
         self.wait_unshard()
+        if not after_forward:
+            self._kept = None
         if not self.is_unsharded:
-            self._kept = self._kept if after_forward else None
             return
+        # (an unsharded group kept no slice: its all-gather took it)
         if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
             ranks, index = self.post_forward.ranks, self.rank % self.post_forward.ranks  # this rank's N-way slice
             with grad_off():
                 self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.form.rows(p)])
-        else:
-            self._kept = None
         for p in self.params:
             use(p, unsharded=False)
             p.form.free(p)
