@@ -91,37 +91,30 @@ class PostBackwardSignal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        _inputs_done(ctx.state)
+        inputs_done_hook(ctx.state)
         return (None, *grads)
 
 
-def inputs_done_hook(state: GroupState, grad_inputs, grad_outputs) -> None:
-    """The hook on the node of a single input's identity view (``forward.signal_post_backward``)."""
-    _inputs_done(state)
-
-
-def _inputs_done(state: GroupState) -> None:
+def inputs_done_hook(state: GroupState, *_grads) -> None:
+    """A forward call's inputs got their gradients: ``PostBackwardSignal``'s backward, or the hook on the node
+    of a single input's identity view (``forward.signal_post_backward``)."""
     if state.root.graph_only:  # a gradient-only pass over the forward graph; the step's backward comes
         return
     state.inputs_pending -= 1
     maybe_post_backward(state)
 
 
-def pre_backward_hook(state: GroupState, _grads) -> None:
+def pre_backward(state: GroupState, _grads=None) -> None:
     """The pre-hook ``forward.register_pre_backward`` puts on an output's node (or leaf)."""
-    pre_backward(state)
-
-
-def pre_backward(state: GroupState) -> None:
     root = state.root
+    targets = [t for t in backward_prefetch_targets(root, state) if t.unshard_in_backward]
     if root.graph_only or begin_graph_only(root, state):  # only the data, for the graph being created
-        unshard_with_prefetch(state, [t for t in backward_prefetch_targets(root, state) if t.unshard_in_backward])
+        unshard_with_prefetch(state, targets)
         return
     queue_end_of_backward(root)
     if state.phase >= PRE_BACKWARD:
         return
     state.phase = PRE_BACKWARD
-    targets = [t for t in backward_prefetch_targets(root, state) if t.unshard_in_backward]
     if state.unshard_in_backward:
         unshard_with_prefetch(state, targets)
     else:  # set_unshard_in_backward(False): only the prefetches
@@ -133,22 +126,20 @@ def pre_backward(state: GroupState) -> None:
 def on_grad_accumulated(state: GroupState, index: int, _param=None) -> None:
     """Post-accumulate-grad hook of the unsharded parameter ``index`` of the group."""
     root = state.root
+    state.grads_ready.add(index)
     if root is not None and root.graph_only:
         root.accumulated_in_graph_only = True
-        state.grads_ready.add(index)
         return
     if root is not None:
         queue_end_of_backward(root)
-    state.grads_ready.add(index)
     maybe_post_backward(state)
 
 
 def maybe_post_backward(state: GroupState) -> None:
-    if state.phase == POST_BACKWARD or state.inputs_pending > 0:
-        return
-    if len(state.grads_ready) < len(state.group.trainable):
-        return
-    post_backward(state)
+    """Post-backward once every use's inputs and every trainable parameter got their gradients."""
+    waiting = state.phase == POST_BACKWARD or state.inputs_pending > 0
+    if not waiting and len(state.grads_ready) >= len(state.group.trainable):
+        post_backward(state)
 
 
 def post_backward(state: GroupState) -> None:
