@@ -86,7 +86,7 @@ FAST_PATHS: dict[str, tuple[str, list[Rewrite]]] = {
     "cast_no_pytree": (
         "pytree's walk in the mixed-precision casts, for a tensor or a tuple of tensors (with --mp)",
         [Rewrite("fsdp_compose.runtime.hooks.forward:cast_floating", "if is_tensor_leaf(tree):", "if False:"),
-         Rewrite("fsdp_compose.runtime.hooks.forward:cast_floating", "if type(tree) is tuple and", "if False and")],
+         Rewrite("fsdp_compose.runtime.hooks.forward:cast_floating", "= type(tree) is tuple and", "= False and")],
     ),
     "node_prehook": (
         "Tensor.register_hook on a forward output, with a pre-hook on its autograd node",

@@ -28,7 +28,7 @@ from ..schedule import (
     unshard_with_prefetch,
 )
 from ..state import FORWARD, IDLE, IN_BACKWARD, GroupState, RootState, class_name, states_in
-from .backward import PostBackwardSignal, inputs_done_hook, pre_backward_hook
+from .backward import PostBackwardSignal, inputs_done_hook, pre_backward
 
 
 def is_tensor_leaf(x: object) -> bool:
@@ -117,15 +117,12 @@ def cast_floating(tree: Any, dtype: torch.dtype) -> Any:
     """Cast every floating-point tensor in a pytree; leave everything else as it is."""
     if is_tensor_leaf(tree):  # fast path: a single tensor (a module's usual output)
         return tree.to(dtype) if tree.is_floating_point() and tree.dtype != dtype else tree
-    if type(tree) is tuple and all(is_tensor_leaf(x) for x in tree):  # fast path: a plain tuple
-        if not any(x.is_floating_point() and x.dtype != dtype for x in tree):
-            return tree
-        return tuple(x.to(dtype) if x.is_floating_point() else x for x in tree)
-    flat, spec = tree_flatten(tree)
+    plain = type(tree) is tuple and all(is_tensor_leaf(x) for x in tree)  # fast path: a plain tuple, no pytree
+    flat, spec = (tree, None) if plain else tree_flatten(tree)
     if not any(isinstance(x, torch.Tensor) and x.is_floating_point() and x.dtype != dtype for x in flat):
         return tree
     cast = [x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
-    return tree_unflatten(cast, spec)
+    return tuple(cast) if plain else tree_unflatten(cast, spec)
 
 
 def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -134,10 +131,9 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
     root = state.root
     policy = state.mp_policy
     if policy.cast_forward_inputs and policy.param_dtype is not None:
-        if plain_tensor_args(args, kwargs):
-            args = cast_floating(args, policy.param_dtype)
-        else:
-            args, kwargs = cast_floating((args, kwargs), policy.param_dtype)
+        args = cast_floating(args, policy.param_dtype)
+        if kwargs:
+            kwargs = cast_floating(kwargs, policy.param_dtype)
     if root.phase == IN_BACKWARD:  # activation-checkpoint recomputation: just make the data available
         state.group.unshard()
         return args, kwargs
@@ -189,7 +185,7 @@ def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
     """Run ``pre_backward(state)`` when backward reaches ``x``: a pre-hook on ``x``'s node (one C++ call,
     where ``Tensor.register_hook`` runs a page of Python), or on a leaf the tensor hook."""
     node = x.grad_fn
-    hook = partial(pre_backward_hook, state)  # a partial: backward runs no function of this file
+    hook = partial(pre_backward, state)  # a partial: backward runs no function of this file
     if node is not None:
         node.register_prehook(hook)
     else:
@@ -204,10 +200,6 @@ def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
 # fsdp_compose`` stays light.
 
 F = TypeVar("F", bound=Callable)
-
-# set (not None) while torch.compile runs a compiled region; a C function, so a frame dynamo
-# skips can call it without starting a frame dynamo would trace
-dynamo_frame_callback = get_eval_frame_callback
 
 
 def frame_not_traced(fn: F) -> F:
@@ -226,7 +218,9 @@ def not_traced(fn: F) -> F:
 
     @functools.wraps(fn)
     def run_eagerly(*args, **kwargs):
-        if dynamo_frame_callback() is None:
+        # set (not None) while torch.compile runs a compiled region; a C function, so a frame dynamo
+        # skips can call it without starting a frame dynamo would trace
+        if get_eval_frame_callback() is None:
             return fn(*args, **kwargs)
         if not disabled:
             import torch._dynamo
