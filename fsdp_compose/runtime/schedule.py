@@ -44,11 +44,10 @@ def record_post_forward(root: RootState, state: GroupState) -> None:
 def forward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupState]:
     if state.forward_prefetch is not None:
         return state.forward_prefetch
-    order = root.reference_forward_order
-    if not order or state not in root.reference_index:
+    index = root.reference_index.get(state)
+    if index is None:
         return []
-    start = root.reference_index[state] + 1
-    return order[start : start + root.prefetch_limit]
+    return root.reference_forward_order[index + 1 : index + 1 + root.prefetch_limit]
 
 
 def backward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupState]:
