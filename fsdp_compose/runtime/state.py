@@ -132,6 +132,7 @@ class RootState:
 # registry: torch.utils.swap_tensors (used by module.to_empty) refuses tensors with weakrefs.
 _module_states: weakref.WeakKeyDictionary[nn.Module, GroupState] = weakref.WeakKeyDictionary()
 _OWNER_ATTR = "_fsdp_compose_owner"
+_UNOWNED = (lambda: None, None)  # the mark a parameter no group owns reads as
 # set in the own namespace of FSDPModule and of the subclasses fully_shard swaps in: names skip them
 INTERFACE_MARK = "_fsdp_compose_interface"
 
@@ -172,14 +173,12 @@ def register_state(state: GroupState) -> None:
 
 
 def owner_of(param: nn.Parameter) -> GroupState | None:
-    mark = getattr(param, _OWNER_ATTR, None)
-    return mark[0]() if mark is not None else None
+    return getattr(param, _OWNER_ATTR, _UNOWNED)[0]()
 
 
 def replaced_at(param: nn.Parameter) -> str | None:
     """The name ``param`` had in its group if ``fully_shard`` replaced it by its shard (nothing uses it since)."""
-    mark = getattr(param, _OWNER_ATTR, None)
-    return mark[1] if mark is not None else None
+    return getattr(param, _OWNER_ATTR, _UNOWNED)[1]
 
 
 def register_owner(param: nn.Parameter, state: GroupState, replaced_at: str | None = None) -> None:
