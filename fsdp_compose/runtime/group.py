@@ -246,10 +246,9 @@ class ParamGroup:
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
         """This rank's has-gradient flags as the flag columns of every rank's row (all-present is cached)."""
-        if all_present:
-            cached = self._all_present.get(dtype)
-            if cached is not None:
-                return cached
+        cached = self._all_present.get(dtype) if all_present else None
+        if cached is not None:
+            return cached
         # non-blocking: no stream sync on a GPU
         flags = torch.tensor(present, dtype=dtype).to(self.device, non_blocking=True).expand(self.world_size, -1)
         if all_present:

@@ -80,7 +80,7 @@ def accumulate_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
         local_grad = p.form.from_comm(local_grad).contiguous()
     current = p.sharded_param.grad
     if current is None:
-        local_grad = local_grad.to(p.layout.storage_device, p.dtype, non_blocking=True)  # itself if in place
+        local_grad = local_grad.to(p.layout.storage_device, p.dtype, non_blocking=True)  # no copy where both match
         if p.layout.pin_memory:
             local_grad = local_grad.pin_memory()
         p.sharded_param.grad = like_sharded(p.sharded_param, local_grad)

@@ -4,9 +4,8 @@ when the module's own backward is done, and what keeps torch.compile from tracin
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Iterator
-from functools import partial
+from functools import partial, wraps
 from typing import Any, TypeVar
 
 import torch
@@ -216,7 +215,7 @@ def not_traced(fn: F) -> F:
     a compiled region, a direct call outside one)."""
     disabled: list[Callable] = []
 
-    @functools.wraps(fn)
+    @wraps(fn)
     def run_eagerly(*args, **kwargs):
         # set (not None) while torch.compile runs a compiled region; a C function, so a frame dynamo
         # skips can call it without starting a frame dynamo would trace
