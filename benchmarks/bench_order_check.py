@@ -81,15 +81,15 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
     from fsdp_compose.runtime.handshake import ALL_GATHER, Handshakes
 
     kinds = handshake.handshake_kinds
-    handshake.handshake_kinds = lambda: (frozenset((ALL_GATHER,)), frozenset())
+    handshake.handshake_kinds = lambda: (frozenset((ALL_GATHER,)), frozenset((ALL_GATHER,)))
     try:
-        handshakes = Handshakes(1, torch.device("cpu"), str)
+        handshakes = Handshakes(1, torch.device("cpu"))
     finally:
         handshake.handshake_kinds = kinds
     dist.barrier()
     started = time.perf_counter()
     for _ in range(200):
-        handshakes.check(ALL_GATHER, 1024, None)
+        handshakes.check(ALL_GATHER, 1024, dist.group.WORLD)
     latency = (time.perf_counter() - started) / 200
     bare = {}  # what a handshake's collective costs alone: a round's all-reduce, beside an all-gather
     entry, rows = torch.zeros(6, dtype=torch.int64), torch.zeros(6 * world_size, dtype=torch.int64)
