@@ -96,6 +96,8 @@ class GatherExtension:
         self.shapes: list[torch.Size] | None = None  # padded per-rank input shapes
         self.dtypes: list[torch.dtype] = []
         self.widths: list[int] = []  # bytes per rank of each input: the group's columns
+        # kept until the next pre-all-gather: after a forward with reshard_after_forward=<int> the
+        # backward re-gathers the same inputs within fewer ranks, and post-all-gather needs it again
         self.metadata: Any = None
         self.outputs: list[torch.Tensor] = []  # flat (world * numel) per input, storage freed when sharded
         self.freed: list[tuple[torch.UntypedStorage, int]] = []  # other storages post-all-gather returned
@@ -160,40 +162,34 @@ class GatherExtension:
                 self.codec.requantize_into(data, scales, self._rebuild_from, self.metadata)
         return views
 
-    def post(
-        self, unsharded: nn.Parameter | None, param_dtype: torch.dtype, *, slice_follows: bool = True
-    ) -> torch.Tensor | None:
-        """Build the unsharded tensor (first unshard: returned) or refresh ``unsharded`` in place
+    def post(self, unsharded: nn.Parameter | None, param_dtype: torch.dtype, slice_follows: bool) -> torch.Tensor:
+        """Build the unsharded tensor (first unshard) or refresh ``unsharded`` in place; return it
         (``slice_follows``: see ``_release_after_post``)."""
         outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
         post = getattr(self.source, POST) if self.codec is None else self.codec.post
-        # kept until the next pre-all-gather: after a forward with reshard_after_forward=<int> the
-        # backward re-gathers the same inputs within fewer ranks, and post-all-gather needs it again
-        metadata = self.metadata
         if unsharded is not None:
             # storage for what post-all-gather refreshes, given here: parameters are posted one at a
             # time, so one's outputs are freed before the next one's tensors take their room
             for storage, nbytes in self.freed:
                 if storage.nbytes() != nbytes:
                     storage.resize_(nbytes)
-            post(outputs, metadata, param_dtype, out=unsharded)
-            self._release_after_post(unsharded, param_dtype, slice_follows)
-            return None
-        result = post(outputs, metadata, param_dtype)
-        if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
-            raise ValueError(
-                f"parameter '{self.fqn}': {POST} must return (unsharded tensor, tensors to free on reshard) "
-                f"when called without out=, got {type(result).__name__}"
-            )
-        tensor, to_free = result
-        known = {_storage_id(out) for out in self.outputs}
-        for t in to_free:
-            if is_wrapper_subclass(t) or _storage_id(t) in known:
-                continue
-            known.add(_storage_id(t))
-            self.freed.append((t.untyped_storage(), t.untyped_storage().nbytes()))
-        self._release_after_post(tensor, param_dtype, slice_follows)
-        return tensor
+            post(outputs, self.metadata, param_dtype, out=unsharded)
+        else:
+            result = post(outputs, self.metadata, param_dtype)
+            if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.Tensor)):
+                raise ValueError(
+                    f"parameter '{self.fqn}': {POST} must return (unsharded tensor, tensors to free on reshard) "
+                    f"when called without out=, got {type(result).__name__}"
+                )
+            unsharded, to_free = result
+            known = {_storage_id(out) for out in self.outputs}
+            for t in to_free:
+                if is_wrapper_subclass(t) or _storage_id(t) in known:
+                    continue
+                known.add(_storage_id(t))
+                self.freed.append((t.untyped_storage(), t.untyped_storage().nbytes()))
+        self._release_after_post(unsharded, param_dtype, slice_follows)
+        return unsharded
 
     def _release_after_post(self, weight: torch.Tensor, param_dtype: torch.dtype, slice_follows: bool) -> None:
         """Free a codec's gathered bytes once dequantized into ``weight`` (kept, they would sit beside it

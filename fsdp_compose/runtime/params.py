@@ -72,19 +72,16 @@ class ShardedParam:
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
         size = source.shape[shard_dim]
-        self.row_numel = math.prod(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
+        others = source.shape[:shard_dim] + source.shape[shard_dim + 1 :]  # the dims of one row
         self.rows_per_rank = math.ceil(size / self.world_size)
-        self.padded_numel = self.rows_per_rank * self.row_numel
+        self.padded_numel = self.rows_per_rank * math.prod(others)
         start = min(self.rank * self.rows_per_rank, size)
         end = min(start + self.rows_per_rank, size)
         self.row_range = (start, end)  # this rank's rows (slices of shard_dim) of the unsharded tensor
         self.local_rows = end - start
-        self.local_numel = self.local_rows * self.row_numel
-        local_shape = list(source.shape)
-        local_shape[shard_dim] = self.local_rows
-        self.local_shape = torch.Size(local_shape)
+        self.local_numel = self.local_rows * math.prod(others)
+        self.local_shape = torch.Size((*source.shape[:shard_dim], self.local_rows, *source.shape[shard_dim + 1 :]))
         # the same with the shard dim first: how collectives lay the parameter out
-        others = tuple(source.shape[:shard_dim] + source.shape[shard_dim + 1 :])
         self.comm_shape = torch.Size((size, *others))
         self.comm_local_shape = torch.Size((self.local_rows, *others))
         self.comm_local_strides = contiguous_strides(self.comm_local_shape)
@@ -212,20 +209,14 @@ class ShardedParam:
             self.layout = dataclasses.replace(self.layout, storage_device=device)
             if self.layout.pin_memory:  # as torch's FSDP2: the same parameter object, its local tensor pinned
                 self.sharded_param._local_tensor = self.local_tensor().pin_memory()
-        if self._padding.device != self.layout.compute_device:
-            self._padding = self.zeros(self._padding.numel(), self.layout.compute_device)
-            self.form.forget_pieces()  # cached pieces hold the old padding
         return self.layout.compute_device
 
     def choose_form(self, local: torch.Tensor) -> None:
         """The protocol's form for ``local`` if it implements the protocol (checked once per shard object:
         ``to_empty`` or a replaced parameter brings a new one); else remembers ``local`` as plain."""
-        extension = self.form.extension
-        if extension is not None and extension.source is local:
-            return
         own = has_protocol(local, f"the shard of parameter '{self.fqn}'")  # a subclass's protocol comes first
         protocol = own or self.wire is not None
-        if extension is not None or (protocol and self.unsharded_param is not None):
+        if self.form.extension is not None or (protocol and self.unsharded_param is not None):
             # the unsharded parameter was built for another shard object: build it anew
             self.form.free(self)
             self.unsharded_param, self.form = None, self._plain_form()

@@ -24,11 +24,10 @@ def gather_pieces(p) -> list[torch.Tensor]:
     """This rank's all-gather contribution as byte pieces, moved and cast to the gather dtype before the
     collective (bf16 halves the bytes moved); a shard object not seen before picks its form first."""
     local = p.sharded_param._local_tensor
-    form = p.form
-    if local is not p._plain_source and (form.extension is None or form.extension.source is not local):
+    extension = p.form.extension
+    if local is not p._plain_source and (extension is None or extension.source is not local):
         p.choose_form(local)
-        form = p.form
-    return form.pieces(p, local)
+    return p.form.pieces(p, local)
 
 
 def use(p, unsharded: bool) -> None:
@@ -59,10 +58,6 @@ class Aliased:
 
     def widths(self, p) -> list[int]:
         return [p.padded_numel * p.gather_element_size]
-
-    def forget_pieces(self) -> None:
-        """Drop the cached pieces (the padding moved to another device)."""
-        self._source, self._pieces = None, []
 
     def pieces(self, p, local: torch.Tensor) -> list[torch.Tensor]:
         """The shard's bytes and its padding, cast to the gather dtype where needed (uncast views cached)."""
@@ -173,9 +168,6 @@ class Extended:
     def widths(self, p) -> list[int]:
         return self.extension.widths
 
-    def forget_pieces(self) -> None:
-        """Nothing cached: pre-all-gather runs at every gather."""
-
     def pieces(self, p, local: torch.Tensor) -> list[torch.Tensor]:
         return self.extension.pieces(local, p.rows_per_rank, p.local_rows, p.layout.compute_device)
 
@@ -185,8 +177,8 @@ class Extended:
     def finish(self, p, slice_follows: bool) -> None:
         """Post-all-gather builds the parameter (first unshard) or refreshes it in place
         (``slice_follows``: a ``reshard_after_forward=<int>`` slice is cut from what was gathered)."""
-        built = self.extension.post(p.unsharded_param, p.layout.gather_dtype, slice_follows=slice_follows)
-        if built is not None:
+        built = self.extension.post(p.unsharded_param, p.layout.gather_dtype, slice_follows)
+        if p.unsharded_param is None:
             p.new_unsharded(torch.as_strided(built, p.unsharded_shape, contiguous_strides(p.unsharded_shape), 0))
 
     def rows(self, p) -> list[torch.Tensor]:
