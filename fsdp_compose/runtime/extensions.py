@@ -15,8 +15,9 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
+
+from .param_layout import contiguous_strides
 
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 CODEC_ATTR = "_fsdp_compose_wire"
@@ -71,31 +72,25 @@ def _storage_id(tensor: torch.Tensor) -> int:
 
 
 class GatherExtension:
-    """One parameter's protocol state for the local shard ``source``: the inputs' shapes and dtypes, the
-    persistent outputs and what to free on reshard."""
+    """The unsharded form (``unsharded.py``) of a shard with the protocol, or a codec, for the local shard
+    ``source`` of ``p`` (a ``ShardedParam``): its pre-all-gather chooses the inputs, the group's columns, its
+    post-all-gather builds the parameter from persistent outputs; reshard frees them and what it named."""
 
-    def __init__(
-        self,
-        source: torch.Tensor,
-        fqn: str,
-        mesh,
-        outer: tuple[torch.Size, tuple[int, ...]],
-        module: nn.Module,
-        mp_policy,
-        codec=None,
-    ) -> None:
+    def __init__(self, p, source: torch.Tensor, codec=None) -> None:
         self.source = source
         # a codec (``set_gather_codec``) in place of the shard's own methods
         self.codec = codec
-        self.fqn = fqn
+        self.fqn = p.fqn
         # what pre-all-gather is called with: the shard mesh (1-D, as FSDP2 passes it), and in the five-argument
         # form the unsharded size and contiguous stride, the module and the mixed-precision policy
-        five = codec is not None or _arity(source, fqn) == 5
-        self.pre_args = (mesh, *outer, module, mp_policy) if five else (mesh,)
-        self.row_shape = outer[0][1:]
+        mesh = p.mesh if p.mesh.ndim == 1 else p.mesh[p.mesh.mesh_dim_names[-1]]
+        outer = p.unsharded_shape
+        five = codec is not None or _arity(source, p.fqn) == 5
+        self.pre_args = (mesh, outer, contiguous_strides(outer), p.places[0].module, p.mp_policy) if five else (mesh,)
+        self.row_shape = outer[1:]
         self.shapes: list[torch.Size] | None = None  # padded per-rank input shapes
         self.dtypes: list[torch.dtype] = []
-        self.widths: list[int] = []  # bytes per rank of each input: the group's columns
+        self._widths: list[int] = []  # bytes per rank of each input: the group's columns
         # kept until the next pre-all-gather: after a forward with reshard_after_forward=<int> the
         # backward re-gathers the same inputs within fewer ranks, and post-all-gather needs it again
         self.metadata: Any = None
@@ -105,12 +100,27 @@ class GatherExtension:
         self._rebuild_from: torch.Tensor | None = None
         self._pads: dict[tuple[int, torch.device], torch.Tensor] = {}
 
-    def pieces(self, local: torch.Tensor, rows_per_rank: int, local_rows: int, device: torch.device) -> list:
+    @property
+    def extension(self) -> GatherExtension:
+        """The protocol's state: this form itself (the other forms have ``None``)."""
+        return self
+
+    @staticmethod
+    def to_comm(tensor: torch.Tensor) -> torch.Tensor:
+        """The shard's own layout: the protocol is refused on ``Shard(d > 0)`` (``check_subclass``)."""
+        return tensor
+
+    from_comm = to_comm
+
+    def widths(self, p) -> list[int]:
+        return self._widths
+
+    def pieces(self, p, local: torch.Tensor) -> list[torch.Tensor]:
         """Call pre-all-gather; return this rank's byte pieces (inputs laid out like the shard's rows are
         padded with zero rows to the padded count, so uneven shards need no self-padding subclass)."""
         self._rebuild_from = None  # a new gather: its copy-out fills the outputs
-        if local.device != device:  # CPU offload: the shard goes to the compute device first
-            local = local.to(device, non_blocking=True)
+        if local.device != p.layout.compute_device:  # CPU offload: the shard goes to the compute device first
+            local = local.to(p.layout.compute_device, non_blocking=True)
         pre = getattr(local, PRE) if self.codec is None else partial(self.codec.pre, local)
         inputs, self.metadata = pre(*self.pre_args)
         if isinstance(inputs, torch.Tensor):
@@ -120,16 +130,16 @@ class GatherExtension:
             shape = t.shape
             pieces.append(t.contiguous().view(-1).view(torch.uint8))
             # laid out like this rank's rows and short of the padded count: pad it (a codec pads itself)
-            short = len(shape) and shape[0] == local_rows < rows_per_rank and shape[1:] == self.row_shape
+            short = len(shape) and shape[0] == p.local_rows < p.rows_per_rank and shape[1:] == self.row_shape
             if short and self.codec is None:
                 row_bytes = math.prod(shape[1:]) * t.dtype.itemsize
-                pieces.append(self._zeros((rows_per_rank - local_rows) * row_bytes, t.device))
-                shape = torch.Size((rows_per_rank, *shape[1:]))
+                pieces.append(self._zeros((p.rows_per_rank - p.local_rows) * row_bytes, t.device))
+                shape = torch.Size((p.rows_per_rank, *shape[1:]))
             shapes.append(shape)
         dtypes = [t.dtype for t in inputs]
         if self.shapes is None:
             self.shapes, self.dtypes = shapes, dtypes
-            self.widths = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)]
+            self._widths = [math.prod(s) * d.itemsize for s, d in zip(shapes, dtypes)]
         elif shapes != self.shapes or dtypes != self.dtypes:
             raise ValueError(
                 f"parameter '{self.fqn}': {PRE} returned inputs of shapes {_listing(shapes, dtypes)} after "
@@ -144,14 +154,15 @@ class GatherExtension:
             pad = self._pads[(nbytes, device)] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
         return pad
 
-    def targets(self, world: int, device: torch.device) -> list[torch.Tensor]:
+    def targets(self, p) -> list[torch.Tensor]:
         """Give the outputs storage; return (world, width) byte views with their own version counters."""
+        world, device = p.world_size, p.layout.compute_device
         if not self.outputs:
             self.outputs = [
                 torch.empty(world * math.prod(s), dtype=d, device=device) for s, d in zip(self.shapes, self.dtypes)
             ]
         views = []
-        for out, width in zip(self.outputs, self.widths):
+        for out, width in zip(self.outputs, self._widths):
             storage = out.untyped_storage()
             if storage.nbytes() != world * width:
                 storage.resize_(world * width)
@@ -162,11 +173,16 @@ class GatherExtension:
                 self.codec.requantize_into(data, scales, self._rebuild_from, self.metadata)
         return views
 
-    def post(self, unsharded: nn.Parameter | None, param_dtype: torch.dtype, slice_follows: bool) -> torch.Tensor:
-        """Build the unsharded tensor (first unshard) or refresh ``unsharded`` in place; return it
-        (``slice_follows``: see ``_release_after_post``)."""
+    def rows(self, p) -> list[torch.Tensor]:
+        """The gathered ``(world, bytes)`` rows while unsharded (what a post-forward slice keeps)."""
+        return self.targets(p)
+
+    def finish(self, p, slice_follows: bool) -> None:
+        """Post-all-gather builds the unsharded parameter (first unshard) or refreshes it in place
+        (``slice_follows``: a ``reshard_after_forward=<int>`` slice is cut from what was gathered)."""
         outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
         post = getattr(self.source, POST) if self.codec is None else self.codec.post
+        param_dtype, unsharded = p.layout.gather_dtype, p.unsharded_param
         if unsharded is not None:
             # storage for what post-all-gather refreshes, given here: parameters are posted one at a
             # time, so one's outputs are freed before the next one's tensors take their room
@@ -188,8 +204,8 @@ class GatherExtension:
                     continue
                 known.add(_storage_id(t))
                 self.freed.append((t.untyped_storage(), t.untyped_storage().nbytes()))
+            p.new_unsharded(torch.as_strided(unsharded, p.unsharded_shape, contiguous_strides(p.unsharded_shape), 0))
         self._release_after_post(unsharded, param_dtype, slice_follows)
-        return unsharded
 
     def _release_after_post(self, weight: torch.Tensor, param_dtype: torch.dtype, slice_follows: bool) -> None:
         """Free a codec's gathered bytes once dequantized into ``weight`` (kept, they would sit beside it
@@ -204,14 +220,14 @@ class GatherExtension:
             self.outputs[0].untyped_storage().resize_(0)
             self._rebuild_from = weight
 
-    def free(self) -> None:
+    def free(self, p) -> None:
         self._rebuild_from = None
         for out in self.outputs:
             out.untyped_storage().resize_(0)
         for storage, _ in self.freed:
             storage.resize_(0)
 
-    def nbytes(self) -> int:
+    def nbytes(self, p) -> int:
         return sum(out.untyped_storage().nbytes() for out in self.outputs) + sum(s.nbytes() for s, _ in self.freed)
 
 

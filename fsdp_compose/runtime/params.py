@@ -26,7 +26,7 @@ from .extensions import (
     shard_subclass,
 )
 from .param_layout import ParamLayout, ParamPlace, contiguous_strides, spmd_layout
-from .unsharded import Aliased, Extended, Staged, use
+from .unsharded import Aliased, Staged, use
 
 
 class ShardedParam:
@@ -114,7 +114,7 @@ class ShardedParam:
         # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (``param_grad.stash_grad``)
         self.accumulated_grad: torch.Tensor | None = None
         # where the unsharded form lives: plain, staged, or the extension protocol's (``unsharded.py``)
-        self.form: Aliased | Staged | Extended = self._plain_form()
+        self.form: Aliased | Staged | GatherExtension = self._plain_form()
         self._plain_source: torch.Tensor | None = None  # a local shard known not to implement the protocol
 
     @property
@@ -224,11 +224,7 @@ class ShardedParam:
             refuse_without_protocol(local, self.fqn)
             self._plain_source = local
             return
-        mesh = self.mesh if self.mesh.ndim == 1 else self.mesh[self.mesh.mesh_dim_names[-1]]
-        outer = (self.unsharded_shape, contiguous_strides(self.unsharded_shape))
-        codec = None if own else self.wire
-        extension = GatherExtension(local, self.fqn, mesh, outer, self.places[0].module, self.mp_policy, codec)
-        self.form = Extended(extension)
+        self.form = GatherExtension(self, local, None if own else self.wire)
 
     def gather_nbytes(self) -> int:
         """Bytes this rank sends per all-gather: what the protocol sent last, or what a quantized wire

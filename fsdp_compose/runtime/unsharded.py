@@ -4,8 +4,8 @@
   writes the parameter in place (a ``Shard(0)`` plain shard);
 - ``Staged``: ``Shard(d)`` with ``d > 0``: collectives see ``d`` first, so copy-out lands in a staging
   buffer copied once into the contiguous parameter;
-- ``Extended``: a shard with the all-gather extension protocol (or a codec): its pre-all-gather
-  chooses the inputs, its post-all-gather builds the parameter (``extensions.GatherExtension``).
+- ``extensions.GatherExtension``: a shard with the all-gather extension protocol (or a codec): its
+  pre-all-gather chooses the inputs, its post-all-gather builds the parameter.
 
 Every kind answers ``widths``, ``pieces``, ``targets``, ``finish``, ``rows``, ``free`` and ``nbytes`` for a
 ``ShardedParam`` (``params.py``), which holds one of them (``form``) and never asks which. The group calls
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import torch
 
-from .extensions import GatherExtension
 from .param_layout import alias, contiguous_strides
 
 
@@ -52,9 +51,7 @@ class Aliased:
         """The layout collectives see: the shard dim first (already, for dim 0)."""
         return tensor
 
-    @staticmethod
-    def from_comm(tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+    from_comm = to_comm
 
     def widths(self, p) -> list[int]:
         return [p.padded_numel * p.gather_element_size]
@@ -154,38 +151,3 @@ class Staged(Aliased):
 
     def nbytes(self, p) -> int:
         return super().nbytes(p) + (0 if self.data is None else self.data.untyped_storage().nbytes())
-
-
-class Extended:
-    """A shard with the all-gather extension protocol: its own inputs, columns and unsharded tensor."""
-
-    to_comm = staticmethod(Aliased.to_comm)  # the protocol is refused on Shard(d > 0) (extensions.check_subclass)
-    from_comm = staticmethod(Aliased.from_comm)
-
-    def __init__(self, extension: GatherExtension) -> None:
-        self.extension = extension
-
-    def widths(self, p) -> list[int]:
-        return self.extension.widths
-
-    def pieces(self, p, local: torch.Tensor) -> list[torch.Tensor]:
-        return self.extension.pieces(local, p.rows_per_rank, p.local_rows, p.layout.compute_device)
-
-    def targets(self, p) -> list[torch.Tensor]:
-        return self.extension.targets(p.world_size, p.layout.compute_device)
-
-    def finish(self, p, slice_follows: bool) -> None:
-        """Post-all-gather builds the parameter (first unshard) or refreshes it in place
-        (``slice_follows``: a ``reshard_after_forward=<int>`` slice is cut from what was gathered)."""
-        built = self.extension.post(p.unsharded_param, p.layout.gather_dtype, slice_follows)
-        if p.unsharded_param is None:
-            p.new_unsharded(torch.as_strided(built, p.unsharded_shape, contiguous_strides(p.unsharded_shape), 0))
-
-    def rows(self, p) -> list[torch.Tensor]:
-        return self.targets(p)
-
-    def free(self, p) -> None:
-        self.extension.free()
-
-    def nbytes(self, p) -> int:
-        return self.extension.nbytes()
