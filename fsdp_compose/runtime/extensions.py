@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .param_layout import contiguous_strides
+from .param_layout import contiguous_strides, give_storage
 
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 CODEC_ATTR = "_fsdp_compose_wire"
@@ -164,8 +164,7 @@ class GatherExtension:
         views = []
         for out, width in zip(self.outputs, self._widths):
             storage = out.untyped_storage()
-            if storage.nbytes() != world * width:
-                storage.resize_(world * width)
+            give_storage(storage, world * width)
             views.append(torch.empty(0, dtype=torch.uint8, device=device).set_(storage, 0, (world, width), (width, 1)))
         if self._rebuild_from is not None:  # read while unsharded: a post-forward slice is cut from them
             data, scales = self.outputs
@@ -187,8 +186,7 @@ class GatherExtension:
             # storage for what post-all-gather refreshes, given here: parameters are posted one at a
             # time, so one's outputs are freed before the next one's tensors take their room
             for storage, nbytes in self.freed:
-                if storage.nbytes() != nbytes:
-                    storage.resize_(nbytes)
+                give_storage(storage, nbytes)
             post(outputs, self.metadata, param_dtype, out=unsharded)
         else:
             result = post(outputs, self.metadata, param_dtype)

@@ -55,6 +55,12 @@ def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
     return out.set_(storage_owner.untyped_storage(), 0, shape, strides)
 
 
+def give_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give a storage freed with ``resize_(0)`` its ``nbytes`` back (a no-op where it has them)."""
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
+
+
 def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     """A DTensor with ``param``'s layout around ``local``, reusing its spec (``from_local`` would validate
     and rebuild it through an autograd function; ``__init__`` does nothing)."""
@@ -71,12 +77,10 @@ def spmd_layout(
         return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(dim)]
     tp_mesh, tp_placements = tp_param.device_mesh, list(tp_param.placements)
     dp_names, tp_names = dp_mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()
-    spmd = None
-    if not set(dp_names) & set(tp_names):
-        try:  # torch's FSDP2 joins them so too (2.11 to 2.14); it refuses meshes that overlap
-            spmd = DeviceMesh._concatenate([dp_mesh, tp_mesh])
-        except (RuntimeError, AssertionError):
-            spmd = None
+    try:  # torch's FSDP2 joins them so too (2.11 to 2.14); it refuses meshes that overlap
+        spmd = None if set(dp_names) & set(tp_names) else DeviceMesh._concatenate([dp_mesh, tp_mesh])
+    except (RuntimeError, AssertionError):
+        spmd = None
     if spmd is None:
         raise ValueError(
             f"parameter '{fqn}' is a DTensor on a {tp_mesh.device_type} mesh of shape {tuple(tp_mesh.shape)} with "

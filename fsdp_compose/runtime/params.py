@@ -89,18 +89,9 @@ class ShardedParam:
         # a codec from ``set_gather_codec`` (the quantize extra's wire format), sent through the same protocol
         self.wire = gather_codec_of(param)
         check_subclass(source, fqn, self.tp_spec is not None, shard_dim, self.wire is not None)
-        local = self.shard_of(param)
-        self.sharded_param = nn.Parameter(
-            DTensor.from_local(
-                local,
-                spmd_mesh,
-                placements,
-                run_check=False,
-                shape=param.shape,
-                stride=contiguous_strides(param.shape),
-            ),
-            requires_grad=param.requires_grad,
-        )
+        local, stride = self.shard_of(param), contiguous_strides(self.shape)
+        shard = DTensor.from_local(local, spmd_mesh, placements, run_check=False, shape=self.shape, stride=stride)
+        self.sharded_param = nn.Parameter(shard, requires_grad=param.requires_grad)
         # called with the unsharded parameter after autograd accumulated its gradient
         self.on_grad_accumulated = None
         # the storage of the unsharded form for a shard without the extension protocol (``unsharded.py``)

@@ -37,12 +37,11 @@ def follow_module(state: GroupState) -> None:
         held = _registered(state, p)
         if held is not p.sharded_param:
             held = _as_shard(state, p, held)
-        elif held.dtype == p.dtype and held.requires_grad == p.requires_grad:
-            register_owner(held, state)  # a swap (``_apply``) moved the mark to the discarded object
-            continue
-        gather_dtype, reduce_dtype = collective_dtypes(held.dtype, state.mp_policy)
-        replaced[p] = held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype)
+        # also where nothing changed: a swap (``_apply``) moved the mark to the discarded object
         register_owner(held, state)
+        if held is not p.sharded_param or held.dtype != p.dtype or held.requires_grad != p.requires_grad:
+            gather_dtype, reduce_dtype = collective_dtypes(held.dtype, state.mp_policy)
+            replaced[p] = held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype)
     group.refresh(replaced)
 
 

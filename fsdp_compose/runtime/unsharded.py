@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .param_layout import alias, contiguous_strides
+from .param_layout import alias, contiguous_strides, give_storage
 
 
 def gather_pieces(p) -> list[torch.Tensor]:
@@ -74,9 +74,7 @@ class Aliased:
         """Give the unsharded storage back; the copy-out target."""
         if p.unsharded_param is None:
             self._create(p)
-        storage = self.target.untyped_storage()
-        if storage.nbytes() != self.target.numel():
-            storage.resize_(self.target.numel())
+        give_storage(self.target.untyped_storage(), self.target.numel())
         return [self.target]
 
     def finish(self, p, slice_follows: bool) -> None:
@@ -125,9 +123,7 @@ class Staged(Aliased):
 
     def targets(self, p) -> list[torch.Tensor]:
         targets = super().targets(p)  # (re)allocates the staging buffer
-        storage = self.data.untyped_storage()
-        if storage.nbytes() != self._data_nbytes:
-            storage.resize_(self._data_nbytes)
+        give_storage(self.data.untyped_storage(), self._data_nbytes)
         return targets
 
     def _staged(self, p) -> torch.Tensor:
