@@ -267,23 +267,23 @@ def check_subclass(source: torch.Tensor, fqn: str, tensor_parallel: bool, shard_
         )
 
 
-def shard_subclass(
-    full: torch.Tensor, fqn: str, dim: int, world: int, rank: int, local_shape: torch.Size, device: torch.device
-) -> torch.Tensor:
-    """This rank's ``torch.chunk`` of a tensor subclass copied into ``new_zeros``: FSDP2's operators (all NF4 has)."""
+def shard_subclass(full: torch.Tensor, p) -> torch.Tensor:
+    """``p``'s (a ``ShardedParam``'s) ``torch.chunk`` of a tensor subclass copied into ``new_zeros`` (FSDP2's
+    operators, all NF4 has), moved where shards live (a meta shard, before ``to_empty``, keeps ``full``'s device)."""
     try:
-        chunks = torch.chunk(full.detach(), world, dim=dim)
-        piece = chunks[rank] if rank < len(chunks) else None
-        local = full.new_zeros(local_shape) if piece is None else piece.new_zeros(piece.shape)
+        chunks = torch.chunk(full.detach(), p.world_size, dim=p.shard_dim)
+        piece = chunks[p.rank] if p.rank < len(chunks) else None
+        local = full.new_zeros(p.local_shape) if piece is None else piece.new_zeros(piece.shape)
         if piece is not None:
             local.copy_(piece)
+        device = p.layout.storage_device
         if local.device != device and device.type != "meta":
             local = local.to(device)
     except Exception as error:  # noqa: BLE001 - any operator the subclass lacks
         raise ValueError(
-            f"parameter '{fqn}' is a {type(full).__name__}, which cannot be sharded: "
+            f"parameter '{p.fqn}' is a {type(full).__name__}, which cannot be sharded: "
             f"{type(error).__name__}: {error}. Sharding a tensor subclass needs torch.chunk on dim "
-            f"{dim}, new_zeros and copy_ (as in torch's FSDP2); pass it in ignored_params "
+            f"{p.shard_dim}, new_zeros and copy_ (as in torch's FSDP2); pass it in ignored_params "
             "to leave it unsharded"
         ) from error
     return local

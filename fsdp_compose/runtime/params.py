@@ -101,7 +101,7 @@ class ShardedParam:
     def _forget_built(self) -> None:
         """Drop what was built for the shard and its gather dtype; the next unshard builds it anew."""
         self.unsharded_param: nn.Parameter | None = None
-        self._padding = self.zeros(self.padded_numel - self.local_numel, self.layout.compute_device)
+        self._padding = self.zeros(self.padded_numel - self.local_numel)
         # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (``param_grad.stash_grad``)
         self.accumulated_grad: torch.Tensor | None = None
         # where the unsharded form lives: plain, staged, or the extension protocol's (``unsharded.py``)
@@ -127,8 +127,7 @@ class ShardedParam:
         start, end = self.row_range
         if not is_wrapper_subclass(full):
             return self.placed(full.detach().narrow(self.shard_dim, start, end - start))
-        device = full.device if self.layout.storage_device.type == "meta" else self.layout.storage_device
-        local = shard_subclass(full, self.fqn, self.shard_dim, self.world_size, self.rank, self.local_shape, device)
+        local = shard_subclass(full, self)
         return local.pin_memory() if self.layout.pin_memory and local.device.type == "cpu" else local
 
     def placed(self, local: torch.Tensor) -> torch.Tensor:
@@ -158,12 +157,13 @@ class ShardedParam:
             local, target.device_mesh, target.placements, run_check=False, shape=self.shape, stride=target.stride()
         )
 
-    def zeros(self, numel: int, device: torch.device) -> torch.Tensor:
-        return torch.zeros(numel, dtype=self.layout.gather_dtype, device=device)
+    def zeros(self, numel: int) -> torch.Tensor:
+        """Zeros where and as the unsharded parameter lives: the compute device, the gather dtype."""
+        return torch.zeros(numel, dtype=self.layout.gather_dtype, device=self.layout.compute_device)
 
     @property
     def gather_element_size(self) -> int:
-        return torch.empty((), dtype=self.layout.gather_dtype).element_size()
+        return self.layout.gather_dtype.itemsize
 
     # ----- sharded side -----------------------------------------------------------------
     def local_tensor(self) -> torch.Tensor:

@@ -40,8 +40,7 @@ def resolve_placement(
         return 0, None
     placement, mesh = placement_fn(param), None
     if hasattr(placement, "mesh_info") and hasattr(placement, "placement"):  # ours or torch's
-        mesh = _mesh_of(placement.mesh_info, fqn, module)
-        placement = placement.placement
+        placement, mesh = placement.placement, _mesh_of(placement.mesh_info, fqn, module)
     if placement is None:
         return 0, mesh
     if type(placement) is not Shard:  # _StridedShard and friends are not a choice a user makes here
@@ -71,12 +70,10 @@ def _mesh_of(mesh_info: Any, fqn: str, module: str) -> DeviceMesh:
         raise NotImplementedError(f"{where} names dp_mesh_dims; a per-parameter mesh takes a data-parallel mesh")
     if shard is None:
         raise ValueError(f"{where} has no shard dim (replicate only); fully_shard shards every parameter it manages")
-    if replicate is None and mesh.ndim == 1:
+    if (replicate is None and mesh.ndim == 1) or (mesh.ndim == 2 and (replicate, shard) == (0, 1)):  # 1-D, or HSDP
         return mesh
     if replicate is None and mesh.mesh_dim_names is not None:  # shard over one dim of a larger mesh
         return mesh[mesh.mesh_dim_names[shard]]
-    if mesh.ndim == 2 and (replicate, shard) == (0, 1):
-        return mesh
     raise ValueError(
         f"{where} has a {mesh.ndim}-D mesh with shard dim {shard} and replicate dim {replicate}; pass a 1-D "
         "mesh, a 2-D mesh with replicate dim 0 and shard dim 1 (HSDP), or a mesh with dim names"

@@ -50,20 +50,19 @@ def _registered(state: GroupState, p: ShardedParam) -> torch.Tensor:
     (``load_state_dict(assign=True)`` assigns a state dict's keys one by one) stay tied: the first
     place's tensor is registered in all, as in torch's FSDP2."""
     held = [place.module._parameters.get(place.name) for place in p.places]
-    first = held[0]
     if any(h is None for h in held):
         raise ValueError(
             f"parameter '{p.fqn}' of fully_shard({class_name(state.module)}) was removed or set to None "
             "after fully_shard; keep it, or pass it in ignored_params"
         )
-    if any(h is not first for h in held[1:]) and any(h is p.sharded_param for h in held):
+    if any(h is not held[0] for h in held[1:]) and any(h is p.sharded_param for h in held):
         paths = {id(m): f"{name}." if name else "" for name, m in state.module.named_modules(remove_duplicate=False)}
         names = ", ".join(f"'{paths.get(id(place.module), '?.')}{place.name}'" for place in p.places)
         raise ValueError(
             f"parameter '{p.fqn}' of fully_shard({class_name(state.module)}) is shared by {names}, and only "
             "some of them were given a new parameter after fully_shard; assign a new parameter to all of them"
         )
-    return first
+    return held[0]
 
 
 def _as_shard(state: GroupState, p: ShardedParam, new: torch.Tensor) -> nn.Parameter:

@@ -66,7 +66,7 @@ class Aliased:
         return self._pieces
 
     def _create(self, p) -> None:
-        storage_owner = p.zeros(p.world_size * p.padded_numel, p.layout.compute_device)
+        storage_owner = p.zeros(p.world_size * p.padded_numel)
         p.new_unsharded(alias(storage_owner, p.unsharded_shape, contiguous_strides(p.unsharded_shape)))
         self.target = alias(storage_owner, (p.world_size, p.padded_numel), (p.padded_numel, 1)).view(torch.uint8)
 
@@ -118,7 +118,7 @@ class Staged(Aliased):
         storage = self.target.view(p.layout.gather_dtype)
         self._data_nbytes = storage.untyped_storage().nbytes()
         self.data = alias(storage, p.unsharded_shape, contiguous_strides(p.unsharded_shape))
-        staging = p.zeros(p.world_size * p.padded_numel, p.layout.compute_device)
+        staging = p.zeros(p.world_size * p.padded_numel)
         self.target = staging.view(p.world_size, p.padded_numel).view(torch.uint8)
 
     def targets(self, p) -> list[torch.Tensor]:
