@@ -87,7 +87,6 @@ class GatherExtension:
         outer = p.unsharded_shape
         five = codec is not None or _arity(source, p.fqn) == 5
         self.pre_args = (mesh, outer, contiguous_strides(outer), p.places[0].module, p.mp_policy) if five else (mesh,)
-        self.row_shape = outer[1:]
         self.shapes: list[torch.Size] | None = None  # padded per-rank input shapes
         self.dtypes: list[torch.dtype] = []
         self._widths: list[int] = []  # bytes per rank of each input: the group's columns
@@ -130,7 +129,7 @@ class GatherExtension:
             shape = t.shape
             pieces.append(t.contiguous().view(-1).view(torch.uint8))
             # laid out like this rank's rows and short of the padded count: pad it (a codec pads itself)
-            short = len(shape) and shape[0] == p.local_rows < p.rows_per_rank and shape[1:] == self.row_shape
+            short = len(shape) and shape[0] == p.local_rows < p.rows_per_rank and shape[1:] == p.unsharded_shape[1:]
             if short and self.codec is None:
                 row_bytes = math.prod(shape[1:]) * t.dtype.itemsize
                 pieces.append(self._zeros((p.rows_per_rank - p.local_rows) * row_bytes, t.device))

@@ -67,15 +67,13 @@ def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     return DTensor.__new__(DTensor, local, param._spec, requires_grad=False)
 
 
-def spmd_layout(
-    dp_mesh: DeviceMesh, tp_param: DTensor | None, fqn: str, dim: int = 0
-) -> tuple[DeviceMesh, list[Placement]]:
-    """The mesh and placements of a shard: data-parallel alone, or the data-parallel dims (replicate?,
-    shard) followed by the parameter's own (TP/EP) dims, on one mesh cut from their common root, as
+def spmd_layout(dp_mesh: DeviceMesh, param: torch.Tensor, fqn: str, dim: int) -> tuple[DeviceMesh, list[Placement]]:
+    """The mesh and placements of ``param``'s shard: data-parallel alone, or for a DTensor the data-parallel
+    dims (replicate?, shard) followed by its own (TP/EP) dims, on one mesh cut from their common root, as
     torch's FSDP2 lays it out (``_StridedShard`` where the model-parallel dims already split ``dim``)."""
-    if tp_param is None:
+    if not isinstance(param, DTensor):
         return dp_mesh, [Replicate()] * (dp_mesh.ndim - 1) + [Shard(dim)]
-    tp_mesh, tp_placements = tp_param.device_mesh, list(tp_param.placements)
+    tp_mesh, tp_placements = param.device_mesh, list(param.placements)
     dp_names, tp_names = dp_mesh.mesh_dim_names or (), tp_mesh.mesh_dim_names or ()
     try:  # torch's FSDP2 joins them so too (2.11 to 2.14); it refuses meshes that overlap
         spmd = None if set(dp_names) & set(tp_names) else DeviceMesh._concatenate([dp_mesh, tp_mesh])
@@ -90,7 +88,7 @@ def spmd_layout(
         )
     if any(p.is_partial() for p in tp_placements):
         raise ValueError(f"parameter '{fqn}' is a Partial DTensor; shard or replicate it before fully_shard")
-    split = tp_param._spec.num_shards_map[dim]  # ways the model-parallel dims already split ``dim``
+    split = param._spec.num_shards_map[dim]  # ways the model-parallel dims already split ``dim``
     dp_placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
     return spmd, [Replicate()] * (dp_mesh.ndim - 1) + [dp_placement, *tp_placements]
 

@@ -60,9 +60,7 @@ class ShardedParam:
         # mesh dims of ``tp_spec`` that are data parallel (``dp_mesh_dims``): gradients keep their layout there
         self.dp_dims = dp_dims
         source = param._local_tensor if self.tp_spec is not None else param
-        if spmd is None:
-            spmd = spmd_layout(mesh, param if self.tp_spec is not None else None, fqn, shard_dim)
-        spmd_mesh, placements = spmd
+        spmd_mesh, placements = spmd or spmd_layout(mesh, param, fqn, shard_dim)
         # the last mesh dim shards; a leading (HSDP) dim replicates
         self.world_size = mesh.size(mesh.ndim - 1)
         self.rank = mesh.get_local_rank(mesh.ndim - 1)

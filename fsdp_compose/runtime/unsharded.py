@@ -99,7 +99,6 @@ class Staged(Aliased):
     def __init__(self, shard_dim: int) -> None:
         super().__init__()
         self.data: torch.Tensor | None = None  # the parameter's own storage
-        self._data_nbytes = 0
         self._shard_dim = shard_dim
 
     def to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -116,14 +115,13 @@ class Staged(Aliased):
     def _create(self, p) -> None:
         super()._create(p)  # the parameter aliases that storage; the staging buffer is another
         storage = self.target.view(p.layout.gather_dtype)
-        self._data_nbytes = storage.untyped_storage().nbytes()
         self.data = alias(storage, p.unsharded_shape, contiguous_strides(p.unsharded_shape))
         staging = p.zeros(p.world_size * p.padded_numel)
         self.target = staging.view(p.world_size, p.padded_numel).view(torch.uint8)
 
     def targets(self, p) -> list[torch.Tensor]:
         targets = super().targets(p)  # (re)allocates the staging buffer
-        give_storage(self.data.untyped_storage(), self._data_nbytes)
+        give_storage(self.data.untyped_storage(), p.world_size * p.padded_numel * p.gather_element_size)
         return targets
 
     def _staged(self, p) -> torch.Tensor:
