@@ -18,6 +18,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .param_layout import contiguous_strides, give_storage
+from .unsharded import Aliased
 
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 CODEC_ATTR = "_fsdp_compose_wire"
@@ -67,10 +68,6 @@ def is_wrapper_subclass(tensor: torch.Tensor) -> bool:
     return torch._C._dispatch_keys(tensor).has(torch._C.DispatchKey.Python) and not isinstance(tensor, MODE_TENSORS)
 
 
-def _storage_id(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage()._cdata
-
-
 class GatherExtension:
     """The unsharded form (``unsharded.py``) of a shard with the protocol, or a codec, for the local shard
     ``source`` of ``p`` (a ``ShardedParam``): its pre-all-gather chooses the inputs, the group's columns, its
@@ -104,12 +101,8 @@ class GatherExtension:
         """The protocol's state: this form itself (the other forms have ``None``)."""
         return self
 
-    @staticmethod
-    def to_comm(tensor: torch.Tensor) -> torch.Tensor:
-        """The shard's own layout: the protocol is refused on ``Shard(d > 0)`` (``check_subclass``)."""
-        return tensor
-
-    from_comm = to_comm
+    # the shard's own layout: the protocol is refused on ``Shard(d > 0)`` (``check_subclass``)
+    to_comm = from_comm = staticmethod(Aliased.to_comm)
 
     def widths(self, p) -> list[int]:
         return self._widths
@@ -195,12 +188,11 @@ class GatherExtension:
                     f"when called without out=, got {type(result).__name__}"
                 )
             unsharded, to_free = result
-            known = {_storage_id(out) for out in self.outputs}
-            for t in to_free:
-                if is_wrapper_subclass(t) or _storage_id(t) in known:
-                    continue
-                known.add(_storage_id(t))
-                self.freed.append((t.untyped_storage(), t.untyped_storage().nbytes()))
+            known = {out.untyped_storage()._cdata for out in self.outputs}  # each storage freed once
+            for storage in (t.untyped_storage() for t in to_free if not is_wrapper_subclass(t)):
+                if storage._cdata not in known:
+                    known.add(storage._cdata)
+                    self.freed.append((storage, storage.nbytes()))
             p.new_unsharded(torch.as_strided(unsharded, p.unsharded_shape, contiguous_strides(p.unsharded_shape), 0))
         self._release_after_post(unsharded, param_dtype, slice_follows)
 
