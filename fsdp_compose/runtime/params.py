@@ -73,10 +73,9 @@ class ShardedParam:
         others = source.shape[:shard_dim] + source.shape[shard_dim + 1 :]  # the dims of one row
         self.rows_per_rank = math.ceil(size / self.world_size)
         self.padded_numel = self.rows_per_rank * math.prod(others)
-        start = min(self.rank * self.rows_per_rank, size)
-        end = min(start + self.rows_per_rank, size)
-        self.row_range = (start, end)  # this rank's rows (slices of shard_dim) of the unsharded tensor
-        self.local_rows = end - start
+        # this rank's rows (slices of shard_dim) of the unsharded tensor: ``local_rows`` from ``row_start``
+        self.row_start = min(self.rank * self.rows_per_rank, size)
+        self.local_rows = min(self.row_start + self.rows_per_rank, size) - self.row_start
         self.local_numel = self.local_rows * math.prod(others)
         self.local_shape = torch.Size((*source.shape[:shard_dim], self.local_rows, *source.shape[shard_dim + 1 :]))
         # the same with the shard dim first: how collectives lay the parameter out
@@ -122,9 +121,8 @@ class ShardedParam:
             else:
                 tp_mesh, tp_placements = self.tp_spec.mesh, self.tp_spec.placements
                 full = distribute_tensor(full.detach(), tp_mesh, tp_placements, src_data_rank=None)._local_tensor
-        start, end = self.row_range
         if not is_wrapper_subclass(full):
-            return self.placed(full.detach().narrow(self.shard_dim, start, end - start))
+            return self.placed(full.detach().narrow(self.shard_dim, self.row_start, self.local_rows))
         local = shard_subclass(full, self)
         return local.pin_memory() if self.layout.pin_memory and local.device.type == "cpu" else local
 
