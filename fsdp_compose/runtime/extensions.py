@@ -9,6 +9,7 @@ post-all-gather named. Gradients stay plain tensors, reduced like any other.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 from functools import partial
@@ -53,10 +54,8 @@ def _mode_tensor_types() -> tuple[type, ...]:
     for plain tensors, so they are sharded and gathered as plain ones. Private names: found once, else none."""
     found = []
     for module, name in (("fake_tensor", "FakeTensor"), ("functional_tensor", "FunctionalTensor")):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):
             found.append(getattr(__import__(f"torch._subclasses.{module}", fromlist=[name]), name))
-        except (ImportError, AttributeError):
-            pass
     return tuple(found)
 
 

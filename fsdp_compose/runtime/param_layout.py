@@ -112,9 +112,8 @@ def resolve_layout(
 ) -> ParamLayout:
     """Where one parameter's shard lives and which dtypes its collectives use (``on_meta``: not yet,
     ``ShardedParam.refresh`` places it when ``to_empty`` materializes it)."""
-    gather_dtype, reduce_dtype = collective_dtypes(dtype, mp_policy)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     storage_device = torch.device("meta" if on_meta else "cpu" if offload else compute_device)
     # pinning needs an accelerator; on a CPU-only build the shard is already where it computes
     pin = offload and offload_policy.pin_memory and compute_device.type != "cpu"
-    return ParamLayout(compute_device, storage_device, gather_dtype, reduce_dtype, pin, offload)
+    return ParamLayout(compute_device, storage_device, *collective_dtypes(dtype, mp_policy), pin, offload)
