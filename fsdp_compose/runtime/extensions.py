@@ -102,6 +102,7 @@ class GatherExtension:
 
     # the shard's own layout: the protocol is refused on ``Shard(d > 0)`` (``check_subclass``)
     to_comm = from_comm = staticmethod(Aliased.to_comm)
+    rows = Aliased.rows  # the copy-out targets, given storage
 
     def widths(self, p) -> list[int]:
         return self._widths
@@ -162,10 +163,6 @@ class GatherExtension:
             with torch.no_grad():
                 self.codec.requantize_into(data, scales, self._rebuild_from, self.metadata)
         return views
-
-    def rows(self, p) -> list[torch.Tensor]:
-        """The gathered ``(world, bytes)`` rows while unsharded (what a post-forward slice keeps)."""
-        return self.targets(p)
 
     def finish(self, p, slice_follows: bool) -> None:
         """Post-all-gather builds the unsharded parameter (first unshard) or refreshes it in place
