@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .param_layout import contiguous_strides, give_storage
-from .unsharded import Aliased
+from .param_layout import contiguous_strides
+from .unsharded import Aliased, give_storage
 
 PRE, POST = "fsdp_pre_all_gather", "fsdp_post_all_gather"
 CODEC_ATTR = "_fsdp_compose_wire"

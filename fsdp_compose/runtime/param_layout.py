@@ -55,12 +55,6 @@ def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
     return out.set_(storage_owner.untyped_storage(), 0, shape, strides)
 
 
-def give_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
-    """Give a storage freed with ``resize_(0)`` its ``nbytes`` back (a no-op where it has them)."""
-    if storage.nbytes() != nbytes:
-        storage.resize_(nbytes)
-
-
 def like_sharded(param: DTensor, local: torch.Tensor) -> DTensor:
     """A DTensor with ``param``'s layout around ``local``, reusing its spec (``from_local`` would validate
     and rebuild it through an autograd function; ``__init__`` does nothing)."""

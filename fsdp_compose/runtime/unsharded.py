@@ -16,7 +16,14 @@ from __future__ import annotations
 
 import torch
 
-from .param_layout import alias, contiguous_strides, give_storage
+from .param_layout import alias, contiguous_strides
+
+
+def give_storage(storage: torch.UntypedStorage, nbytes: int) -> None:
+    """Give a storage freed with ``resize_(0)`` its ``nbytes`` back (a no-op where it has them). Every unshard
+    runs it, so it lives in this file of a step's path."""
+    if storage.nbytes() != nbytes:
+        storage.resize_(nbytes)
 
 
 def gather_pieces(p) -> list[torch.Tensor]:
