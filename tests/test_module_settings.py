@@ -350,3 +350,63 @@ def test_accelerator_settings_on_cpu_say_what_they_do(single_rank_group):
     out = block(torch.randn(2, 13))
     out.sum().backward()  # runs through the process-group-allocated collectives
     assert block.fc1.weight.grad is not None
+
+
+# ----- every setter writes a field the state declares -------------------------------------
+def _setters_write_declared_fields():
+    """Each setter's value lands on a field ``GroupState`` declares (``_set_on_states`` sets fields by name, so a
+    misspelt one would otherwise add a new attribute and leave the setting without effect)."""
+    import dataclasses
+
+    from fsdp_compose.runtime.state import GroupState
+
+    torch.manual_seed(0)
+    model = TinyLM(n_blocks=2)
+    shard_blocks_then_root(model)
+    declared = {f.name for f in dataclasses.fields(GroupState)}
+    before = {id(s): set(vars(s)) for _, s in states_in(model)}
+    block, other = model.blocks
+    block.set_requires_gradient_sync(False)
+    block.set_requires_all_reduce(False)
+    block.set_reshard_after_backward(False)
+    block.set_reshard_after_forward(False)
+    block.set_modules_to_forward_prefetch([other])
+    block.set_modules_to_backward_prefetch([other])
+    block.set_is_last_backward(False)
+    block.set_reduce_scatter_unused_params(False)
+    block.set_reduce_scatter_max_input_buffers(3)
+    block.set_unshard_in_backward(False)
+    state = state_of(block)
+    added = set(vars(state)) - before[id(state)]
+    values = {
+        "requires_gradient_sync": state.requires_gradient_sync,
+        "requires_all_reduce": state.requires_all_reduce,
+        "reshard_after_backward": state.reshard_after_backward,
+        "reshard_after_forward": state.reshard_after_forward,
+        "reshard_after_forward_chosen": state.reshard_after_forward_chosen,
+        "forward_prefetch": state.forward_prefetch == state_of(other).call_states,
+        "backward_prefetch": state.backward_prefetch == state_of(other).call_states,
+        "is_last_backward": state.is_last_backward,
+        "reduce_scatter_unused_params": state.reduce_scatter_unused_params,
+        "reduce_buffers": state.reduce_buffers,
+        "unshard_in_backward": state.unshard_in_backward,
+    }
+    return {"added": sorted(added), "undeclared": sorted(set(values) - declared), "values": values}
+
+
+def test_setters_write_fields_the_state_declares():
+    (result,) = run_on_ranks(1, _setters_write_declared_fields)
+    assert result["added"] == [] and result["undeclared"] == []
+    assert result["values"] == {
+        "requires_gradient_sync": False,
+        "requires_all_reduce": False,
+        "reshard_after_backward": False,
+        "reshard_after_forward": False,
+        "reshard_after_forward_chosen": True,
+        "forward_prefetch": True,
+        "backward_prefetch": True,
+        "is_last_backward": False,
+        "reduce_scatter_unused_params": False,
+        "reduce_buffers": 3,
+        "unshard_in_backward": False,
+    }
