@@ -63,6 +63,7 @@ class ShardGroup:
     group: dist.ProcessGroup | None  # None: not sharded, every rank holds whole matrices
     size: int
     rank: int
+    device: torch.device  # where the shards live: the collectives' buffers are made there
 
 
 Segment = tuple[int, int, int]  # (matrix index, rank, offset): one rank's rows of one matrix in a flat buffer
@@ -155,7 +156,7 @@ class Route:
         nbytes = numel * dtype.itemsize
         buffer = self._buffers.get(layout)
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self._buffers[layout] = torch.empty(nbytes, dtype=torch.uint8)
+            buffer = self._buffers[layout] = torch.empty(nbytes, dtype=torch.uint8, device=self.shard_group.device)
         return buffer[:nbytes].view(dtype)
 
     def _all_to_all(

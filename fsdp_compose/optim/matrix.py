@@ -26,6 +26,7 @@ from .muon import (
     MUON_COEFFICIENTS,
     adjusted_lr,
     check_hyperparameters,
+    momentum_buffer,
     muon_momentum,
     muon_momentum_rows,
     newton_schulz,
@@ -38,9 +39,9 @@ UpdateFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 
 def _shard_group_of(param: torch.Tensor) -> ShardGroup:
     if not isinstance(param, DTensor):
-        return ShardGroup(None, 1, 0)
-    mesh = param.device_mesh
-    return ShardGroup(mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1))
+        return ShardGroup(None, 1, 0, param.device)
+    mesh, dim = param.device_mesh, param.device_mesh.ndim - 1
+    return ShardGroup(mesh.get_group(dim), mesh.size(dim), mesh.get_local_rank(dim), param.device)
 
 
 def _unsupported(param: torch.Tensor) -> str | None:
@@ -178,7 +179,8 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         active = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         if bucket.shard_group.group is None or not active:
             self._step_batches(bucket)
-            self._step_whole([bucket.params[i] for i in active], [bucket.groups[i] for i in active])
+            for i in active:  # plain tensors: every rank holds them whole
+                self._step_local(bucket.params[i], bucket.groups[i])
             return
         sg, route = bucket.shard_group, bucket.route(active)
         params = [bucket.params[i] for i in active]
@@ -188,7 +190,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         gathering = route.start_gather(grads, dtype)
         # while the rows travel: the 3-D batches, and this rank's own rows of the matrices it owns
         self._step_batches(bucket)
-        targets = {i: self._momentum_target(params[i], grads[i].dtype, groups[i]) for i in route.mine}
+        targets = {i: self._momentum_target(params[i], grads[i], groups[i]) for i in route.mine}
         for i in route.mine:
             self._momentum_rows(targets[i], grads[i], route.matrices[i].row_start(sg.rank), groups[i])
         for i, pieces in route.owned_rows(gathering.wait()).items():
@@ -220,32 +222,25 @@ class OwnerComputedMuon(torch.optim.Optimizer):
     def _step_batches(self, bucket: _Bucket) -> None:
         for p, group in zip(bucket.batches, bucket.batch_groups):
             if p.grad is not None:
-                self._step_batch(p, group)
-
-    def _step_whole(self, params: list[torch.Tensor], groups: list[dict[str, Any]]) -> None:
-        """Matrices every rank holds whole (plain tensors): each updated where it is, no collective."""
-        for p, group in zip(params, groups):
-            grad = _local(p.grad)
-            matrix = muon_momentum(grad, self.state[p], group["momentum"], group["nesterov"])
-            _apply(p, self._orthogonalize(p, matrix, group), group)
+                self._step_local(p, group)
 
     def _momentum_target(
-        self, param: torch.Tensor, dtype: torch.dtype, group: dict[str, Any]
+        self, param: torch.Tensor, grad: torch.Tensor, group: dict[str, Any]
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """An owned matrix's ``(momentum buffer, matrix to orthogonalize)``, whole, before its rows arrive.
+        """An owned matrix's ``(momentum buffer, matrix to orthogonalize)``, whole, before its rows arrive, on
+        ``grad``'s (this rank's rows') device.
 
         The buffer is None at ``momentum=0``; the matrix is None where it is the buffer itself (plain momentum),
-        else bf16 for Newton-Schulz (its first cast, done as the rows are written) or ``dtype`` for ``update_fn``.
+        else bf16 for Newton-Schulz (its first cast, done as the rows are written) or ``grad``'s dtype for
+        ``update_fn``.
         """
         buf = None
         if group["momentum"] != 0:
-            state = self.state[param]
-            buf = state.get(MOMENTUM)
-            if buf is None:
-                buf = state[MOMENTUM] = torch.zeros(param.shape, dtype=dtype)
+            buf = momentum_buffer(self.state[param], param.shape, grad)
             if not group["nesterov"]:
                 return buf, None
-        return buf, torch.empty(param.shape, dtype=torch.bfloat16 if self.update_fn is None else dtype)
+        dtype = torch.bfloat16 if self.update_fn is None else grad.dtype
+        return buf, torch.empty(param.shape, dtype=dtype, device=grad.device)
 
     @staticmethod
     def _momentum_rows(
@@ -254,8 +249,9 @@ class OwnerComputedMuon(torch.optim.Optimizer):
         buf, out = (None if t is None else t.narrow(0, first, rows.shape[0]) for t in target)
         muon_momentum_rows(rows, buf, out, group["momentum"])
 
-    def _step_batch(self, param: torch.Tensor, group: dict[str, Any]) -> None:
-        """A 3-D batch of matrices: this rank's matrices (its ``Shard(0)`` rows), updated where they are."""
+    def _step_local(self, param: torch.Tensor, group: dict[str, Any]) -> None:
+        """Matrices this rank holds whole, updated where they are with no collective: a plain tensor, or this
+        rank's matrices of a 3-D batch (its ``Shard(0)`` rows)."""
         grad = _local(param.grad)
         matrix = muon_momentum(grad, self.state[param], group["momentum"], group["nesterov"])
         # an empty ``matrix``: this rank holds none of the batch (more ranks than matrices)

@@ -13,6 +13,7 @@ import torch
 
 MUON_COEFFICIENTS = (3.4445, -4.775, 2.0315)
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
+MOMENTUM = "momentum_buffer"  # torch.optim.Muon's state key
 
 
 def newton_schulz(
@@ -53,6 +54,7 @@ def newton_schulz_work(rows: int, cols: int) -> int:
     short, long = min(rows, cols), max(rows, cols)
     return short * short * (2 * long + short)
 
+
 def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
     """Muon's per-shape learning rate, so rectangular matrices get updates of comparable RMS (per matrix of a batch)."""
     rows, cols = shape[-2], shape[-1]
@@ -61,15 +63,23 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     return lr * 0.2 * math.sqrt(max(rows, cols))  # "match_rms_adamw": RMS like AdamW's
 
 
+def momentum_buffer(state: dict[str, Any], shape: torch.Size, grad: torch.Tensor) -> torch.Tensor:
+    """``state``'s momentum buffer of a ``shape`` matrix, made at the first step: zeros in ``grad``'s dtype, on its
+    device."""
+    buf = state.get(MOMENTUM)
+    if buf is None:
+        buf = state[MOMENTUM] = torch.zeros(shape, dtype=grad.dtype, device=grad.device)
+    return buf
+
+
 def muon_momentum(grad: torch.Tensor, state: dict[str, Any], momentum: float, nesterov: bool) -> torch.Tensor:
     """The matrix Muon orthogonalizes: the momentum buffer, or its Nesterov look-ahead; the gradient at momentum 0."""
     if momentum == 0:
         return grad
-    buf = state.get("momentum_buffer")
-    if buf is None:
-        buf = state["momentum_buffer"] = torch.zeros_like(grad)
-    buf.lerp_(grad, 1 - momentum)
-    return grad.lerp(buf, momentum) if nesterov else buf
+    buf = momentum_buffer(state, grad.shape, grad)
+    out = torch.empty_like(grad) if nesterov else None
+    muon_momentum_rows(grad, buf, out, momentum)
+    return buf if out is None else out
 
 
 def muon_momentum_rows(
@@ -90,6 +100,7 @@ def muon_momentum_rows(
         out_rows.copy_(grad_rows)
     else:
         torch.lerp(grad_rows, buf_rows, momentum, out=out_rows)  # Nesterov's look-ahead
+
 
 def check_hyperparameters(
     lr: float, weight_decay: float, momentum: float, coefficients: tuple, steps: int, adjust_lr_fn: str | None

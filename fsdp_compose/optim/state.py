@@ -15,8 +15,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .exchange import Matrix, ShardGroup, chunk_rows, gather_to_owners, scatter_from_owners
-
-MOMENTUM = "momentum_buffer"
+from .muon import MOMENTUM
 
 
 def common_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:

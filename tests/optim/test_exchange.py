@@ -25,7 +25,8 @@ def _grad(shape: tuple[int, ...], step: int, index: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(100 * step + index))
 
 
-def _sharded_against_torch(options: dict, keep_buffers: bool) -> dict:
+def _sharded_against_torch(options: dict, keep_buffers: bool, default_device: str = "cpu") -> dict:
+    """``default_device``: the default device while our step runs (the shards stay on CPU)."""
     from torch.distributed.tensor import distribute_tensor
 
     from fsdp_compose import fully_shard
@@ -42,7 +43,8 @@ def _sharded_against_torch(options: dict, keep_buffers: bool) -> dict:
         for i, (p, q) in enumerate(zip(holder.weights, reference)):
             q.grad = _grad(q.shape, step, i)
             p.grad = distribute_tensor(q.grad, p.device_mesh, p.placements)
-        ours.step()
+        with torch.device(default_device):
+            ours.step()
         theirs.step()
         kept.append({key: b.data_ptr() for key, b in ours._buckets[0]._route[1]._buffers.items()})
     momentum = ours.state_dict()["state"]
@@ -69,6 +71,14 @@ def test_buffers_released_after_each_step_on_request() -> None:
     for r in run_on_ranks(2, _sharded_against_torch, {}, False):
         assert r["params"] and r["momentum"], r
         assert r["kept"] == [{}, {}, {}]
+
+
+def test_step_makes_its_tensors_where_the_shards_are() -> None:
+    """On a GPU the default device stays CPU while the shards are on the GPU: every buffer the step makes (the
+    collectives' flat buffers, the owner's momentum) must follow the shards. Here the default is meta, so a tensor
+    made on the default device fails the step or its answer."""
+    for r in run_on_ranks(2, _sharded_against_torch, {}, True, "meta"):
+        assert r["params"] and r["momentum"], r
 
 
 def test_momentum_in_row_blocks_equals_whole() -> None:
