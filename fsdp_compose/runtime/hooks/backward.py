@@ -107,20 +107,25 @@ def inputs_done_hook(state: GroupState, *_grads) -> None:
 def pre_backward(state: GroupState, _grads=None) -> None:
     """The pre-hook ``forward.register_pre_backward`` puts on an output's node (or leaf)."""
     root = state.root
-    targets = [t for t in backward_prefetch_targets(root, state) if t.unshard_in_backward]
     if root.graph_only or begin_graph_only(root, state):  # only the data, for the graph being created
-        unshard_with_prefetch(state, targets)
+        unshard_with_prefetch(state, _prefetched_in_backward(state))
         return
     queue_end_of_backward(root)
-    if state.phase >= PRE_BACKWARD:
+    if state.phase >= PRE_BACKWARD:  # a later output of the same call: nothing more to do
         return
     state.phase = PRE_BACKWARD
+    targets = _prefetched_in_backward(state)
     if state.unshard_in_backward:
         unshard_with_prefetch(state, targets)
     else:  # set_unshard_in_backward(False): only the prefetches
         for target in targets:
             target.group.start_unshard()
     issue_reductions(root)  # after the handshake of the all-gathers above (gloo)
+
+
+def _prefetched_in_backward(state: GroupState) -> list[GroupState]:
+    """The groups to all-gather right after ``state``'s in backward (those that unshard in backward)."""
+    return [t for t in backward_prefetch_targets(state.root, state) if t.unshard_in_backward]
 
 
 def on_grad_accumulated(state: GroupState, index: int, _param=None) -> None:
