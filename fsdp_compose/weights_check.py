@@ -49,7 +49,8 @@ def unequal_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh
     with torch.no_grad():
         prints = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in params.values()])
         prints = torch.nan_to_num(prints.to(device), nan=1.0e300).flatten()  # NaN compares equal to itself here
-        found = disagreement(torch.cat([prints, -prints]), _groups(mesh), f"fully_shard({owner})'s comparison of weights")
+        name = f"fully_shard({owner})'s comparison of weights"
+        found = disagreement(torch.cat([prints, -prints]), _groups(mesh), name)
         differs = (found[: prints.numel()] | found[prints.numel() :]).view(-1, 2).any(dim=1).tolist()
     return [name for name, different in zip(params, differs) if different]
 
@@ -72,7 +73,7 @@ def _local_prints(state: GroupState, params: list[ShardedParam]) -> torch.Tensor
         return torch.nan_to_num(torch.stack(prints).to(state.group.device), nan=1.0e300)
 
 
-def _raise_if_unwritten(state: GroupState, recorded: list[ShardedParam], cut: torch.Tensor) -> None:
+def _raise_if_unwritten(state: GroupState, recorded: list[ShardedParam], cut: torch.Tensor, where: str) -> None:
     """Raise, on every rank, for the recorded parameters whose shard no rank of the mesh wrote since
     ``fully_shard`` (one rank writing is enough: HSDP loads on one replica and broadcasts to the others)."""
     with torch.no_grad():
@@ -81,20 +82,20 @@ def _raise_if_unwritten(state: GroupState, recorded: list[ShardedParam], cut: to
         anywhere = (written.bool() | disagreement(written, _groups(state.group.mesh), _name(state))).tolist()
     names = [p.fqn for p, written_somewhere in zip(recorded, anywhere) if not written_somewhere]
     if names:
-        raise ValueError(_message(state, names))
+        raise ValueError(_message(state, names, where))
 
 
 def _name(state: GroupState) -> str:
     return f"the first forward's check of fully_shard({state.group.class_name})'s initial weights"
 
 
-def _message(state: GroupState, names: list[str]) -> str:
+def _message(state: GroupState, names: list[str], where: str) -> str:
     listed = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
     return (
-        f"fully_shard({state.group.class_name}): ranks hold different values of {listed}; each rank's shard came from "
-        "its own copy at fully_shard and nothing was loaded into it since, so the model would train as a mix of "
-        "several initialisations. Build the model with the same seed on every rank (torch.manual_seed before "
-        "building it), load pretrained weights on every rank (before fully_shard, or into the sharded model "
+        f"fully_shard({state.group.class_name}) of '{where}': ranks hold different values of {listed}; each rank's "
+        "shard came from its own copy at fully_shard and nothing was loaded into it since, so the model would train "
+        "as a mix of several initialisations. Build the model with the same seed on every rank (torch.manual_seed "
+        "before building it), load pretrained weights on every rank (before fully_shard, or into the sharded model "
         "before its first forward), or make them equal first (fsdp_compose.sync_module_states(model) before "
         f"fully_shard). If ranks differ on purpose, set {CHECK_ENV}=0"
     )

@@ -8,7 +8,9 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
 
 from fsdp_compose import fully_shard, sync_module_states
 from fsdp_compose.weights_check import CHECK_ENV
@@ -56,7 +58,7 @@ def _seeded_by_rank(fix: str) -> dict:
 def test_ranks_with_different_weights_fail_at_the_first_forward():
     for out in run_on_ranks(2, _seeded_by_rank, "none"):  # every rank
         assert out["error"].startswith(
-            "fully_shard(TinyLM): ranks hold different values of 'embed.weight', 'head.weight', 'head.bias'"
+            "fully_shard(TinyLM) of '<root>': ranks hold different values of 'embed.weight', 'head.weight', 'head.bias'"
         ), out["error"]  # the root's group first: its pre-forward runs the check of every group under it
         assert "torch.manual_seed" in out["error"] and "sync_module_states" in out["error"]
         assert f"{CHECK_ENV}=0" in out["error"]
@@ -164,7 +166,8 @@ def _loaded_on_rank_0_only() -> str | None:
 
 def test_weights_loaded_on_rank_0_only_are_caught():
     errors = run_on_ranks(3, _loaded_on_rank_0_only)
-    assert len(set(errors)) == 1 and errors[0].startswith("fully_shard(TinyLM): ranks hold different values"), errors
+    assert len(set(errors)) == 1, errors  # every rank
+    assert errors[0].startswith("fully_shard(TinyLM) of '<root>': ranks hold different values"), errors
 
 
 def _meta_is_skipped() -> bool:
@@ -205,6 +208,38 @@ def test_hsdp_a_rank_differing_off_this_ranks_dims_is_still_seen():
     """Compared over the whole 2-D mesh, not each dim alone: rank 0 shares no mesh group with rank 3; a load on
     replica 0 then a broadcast across replicas (no write seen on the others) passes."""
     assert run_on_ranks(4, _hsdp_one_rank_differs, False) == [
-        "fully_shard(Block): ranks hold different values of 'fc1.weight', 'fc1.bias', 'fc2.weight' and 1 more"
+        "fully_shard(Block) of '<root>': ranks hold different values of 'fc1.weight', 'fc1.bias', 'fc2.weight' "
+        "and 1 more"
     ] * 4  # the norm's ones and zeros do not depend on the seed
     assert run_on_ranks(4, _hsdp_one_rank_differs, True) == [None] * 4
+
+
+class TestThreadRanksShareOneGenerator(MultiThreadedTestCase):
+    """torch's own FSDP2 tests run ranks as threads of one process, which share torch's random generator:
+    the ranks of one test build different values, seeded or not. A test that never runs forward, or loads
+    before it does, passes (torch's does); one that trains the throwaway values is told, on every rank."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_threads()
+
+    def test_only_the_first_forward_judges(self) -> None:
+        def build() -> nn.Module:
+            model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))  # draws from the shared generator
+            for layer in (model[0], model[2], model):
+                fully_shard(layer)
+            return model
+
+        gen = torch.Generator().manual_seed(0)
+        loaded = {k: torch.randn(v.shape, generator=gen) for k, v in build().state_dict().items()}
+        model = build()
+        self.assertTrue(all(isinstance(p, DTensor) for p in model.parameters()))  # fully_shard refuses nothing
+        expected = "fully_shard\\(Linear\\) of '0': ranks hold different values of 'weight', 'bias'"
+        with self.assertRaisesRegex(ValueError, expected):
+            model(torch.ones(2, 6))
+        model.load_state_dict(loaded)
+        self.assertEqual(model(torch.ones(2, 6)).shape, (2, 3))
