@@ -66,11 +66,15 @@ def defer_verdict(state: GroupState, unequal: list[str]) -> None:
 
 
 def _local_prints(state: GroupState, params: list[ShardedParam]) -> torch.Tensor:
-    """Each local shard's float64 sum and sum of squares, on the group's device (nothing read on the host)."""
+    """Each local shard's float64 sum and sum of squares, on the group's device (nothing read on the host). A
+    shard replaced since by a tensor subclass (its own arithmetic) reads as -1, unlike any cut: written."""
     with torch.no_grad():
-        shards = [p.local_tensor().detach() for p in params]
-        prints = [torch.stack([v.double().sum(), v.double().square().sum()]) for v in shards]
-        return torch.nan_to_num(torch.stack(prints).to(state.group.device), nan=1.0e300)
+        prints = []
+        for p in params:
+            v = p.local_tensor().detach()
+            plain = type(v) in (torch.Tensor, nn.Parameter)
+            prints.append(torch.stack([v.double().sum(), v.double().square().sum()]) if plain else -torch.ones(2))
+        return torch.nan_to_num(torch.stack([x.to(state.group.device) for x in prints]), nan=1.0e300)
 
 
 def _raise_if_unwritten(state: GroupState, recorded: list[ShardedParam], cut: torch.Tensor, where: str) -> None:
