@@ -25,7 +25,7 @@ from .runtime.placement import resolve_placement
 from .runtime.state import GroupState, class_name, owner_of, register_owner, register_state, state_of
 from .runtime.unsharded import use
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
-from .weights_check import check_same_values
+from .weights_check import defer_verdict, unequal_values
 from .whole_model.state_dict_hooks import register_state_dict_hooks
 
 
@@ -280,13 +280,15 @@ def fully_shard(
             _check_mesh(name, group_mesh)
         _, post_forward_ranks = _post_forward_ranks(name, group_mesh, reshard_after_forward)
         device = mesh_device(group_mesh)
-        check_same_values(name, {names[p]: p for p in sharded}, group_mesh, device)  # a collective
-        groups.append((group_mesh, sharded, device, post_forward_ranks))
+        unequal = unequal_values(name, {names[p]: p for p in sharded}, group_mesh, device)  # a collective
+        groups.append((group_mesh, sharded, device, post_forward_ranks, unequal))
 
     # Nothing above changed the model; from here on, commit.
     chosen = reshard_after_forward is not None
     options = dict(reshard_after_forward=forward_reshards, reshard_after_forward_chosen=chosen, mp_policy=mp_policy)
-    states = [_build_state(modules, *group, options) for group in groups]
+    states = [_build_state(modules, *group[:4], options) for group in groups]
+    for s, (*_, unequal) in zip(states, groups):
+        defer_verdict(s, unequal)  # raised at the first forward unless the shards are written before it
     state = states[0]
     state.companions = states[1:]
     for s in state.companions:  # the one link a state cannot have at construction: they are built together

@@ -1,15 +1,19 @@
 """An optimizer built before ``fully_shard`` fails at its first step instead of training nothing,
-and one training unsharded parameters next to sharded ones warns that they will drift apart.
+and one training unsharded parameters next to sharded ones, whose gradients differ across ranks,
+warns that they will drift apart.
 
 An optimizer built before ``fully_shard`` holds the tensors it replaced, which the model no longer
 uses: every step would update nothing, in silence (torch's FSDP2 too). Their owner mark carries
 their name (``runtime/state.py``); one global step pre-hook looks at an optimizer's parameters at
 its first step (again only if its parameter groups change): one attribute read per step after.
 
-It also warns about trainable parameters no ``fully_shard`` manages next to sharded ones, on
-several ranks: nothing reduces their gradients (typically a forgotten ``fully_shard(model)``). Not
-an error: torch's ``replicate()`` or a user's own all-reduce keep them in step legitimately,
-unseen from here. ``ignored_params`` and frozen parameters are left alone.
+Trainable parameters no ``fully_shard`` manages next to sharded ones are fine if something keeps
+them in step (torch's ``replicate()``, a user's own all-reduce of their gradients) and wrong if
+nothing does (typically a forgotten ``fully_shard(model)``). Only their gradients tell: at that
+first step, and only when there are such parameters, the ranks of the sharded parameters' mesh
+compare each one's gradient fingerprint (one all-reduce, as ``weights_check.py`` compares weights)
+and warn, on every rank, if any differs. A warning, not an error: a user may mean it.
+``ignored_params`` and frozen parameters are left alone.
 """
 
 from __future__ import annotations
@@ -19,8 +23,10 @@ import warnings
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .runtime.handshake import disagreement
 from .runtime.state import owner_of, replaced_at
 
 _IGNORED_ATTR = "_fsdp_compose_ignored"
@@ -42,7 +48,7 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
     groups = optimizer.param_groups
     if getattr(optimizer, _CHECKED_ATTR, None) == len(groups):
         return
-    unmanaged, sharded_ranks = [], 1
+    unmanaged, mesh_owner = [], None
     for group in groups:
         for param in group["params"]:
             owner, name = owner_of(param), replaced_at(param)
@@ -55,19 +61,40 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
                     "torch.optim.AdamW(model.parameters()) once every module is sharded"
                 )
             if owner is not None:
-                mesh = getattr(param, "device_mesh", None)
-                sharded_ranks = max(sharded_ranks, mesh.size() if mesh is not None else 1)
+                if mesh_owner is None or owner.group.mesh.size() > mesh_owner.group.mesh.size():
+                    mesh_owner = owner
             elif param.requires_grad and not hasattr(param, _IGNORED_ATTR) and not hasattr(param, "device_mesh"):
                 unmanaged.append(param)
-    if unmanaged and sharded_ranks > 1:
-        shapes = ", ".join(str(tuple(p.shape)) for p in unmanaged[:4]) + (", ..." if len(unmanaged) > 4 else "")
-        warnings.warn(
-            f"{type(optimizer).__name__}.step(): the optimizer trains {len(unmanaged)} parameter(s) no fully_shard "
-            f"manages next to sharded ones (shapes {shapes}): nothing reduces their gradients across ranks, so the "
-            "ranks' copies drift apart from the first step (e.g. the embedding and head when fully_shard(model) "
-            "was not called on the root). Call fully_shard on the root too, after its blocks; pass parameters "
-            "meant to stay local in ignored_params; or keep them in step yourself (torch's replicate(), or an "
-            "all-reduce of their gradients)",
-            stacklevel=3,
-        )
+    if unmanaged and mesh_owner is not None and mesh_owner.group.mesh.size() > 1:
+        drifting = _unequal_grads(unmanaged, mesh_owner.group.mesh, mesh_owner.group.device)  # a collective
+        if drifting:
+            _warn_drifting(optimizer, drifting)
     setattr(optimizer, _CHECKED_ATTR, len(groups))
+
+
+def _unequal_grads(params: list[torch.Tensor], mesh: DeviceMesh, device: torch.device) -> list[torch.Tensor]:
+    """The ``params`` whose gradients differ across the ranks of ``mesh``: each one's float64 sum and sum
+    of squares (zeros without a gradient) compared as ``handshake.disagreement`` compares its rounds."""
+    with torch.no_grad():
+        prints = []
+        for p in params:
+            g = p.grad.detach().double() if p.grad is not None else torch.zeros(1, dtype=torch.float64)
+            prints.append(torch.stack([g.sum(), g.square().sum()]).to(device))
+        mine = torch.nan_to_num(torch.stack(prints), nan=1.0e300).flatten()
+        groups = tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
+        found = disagreement(torch.cat([mine, -mine]), groups, "the optimizer check's comparison of gradients")
+        differs = (found[: mine.numel()] | found[mine.numel() :]).view(-1, 2).any(dim=1).tolist()
+    return [p for p, different in zip(params, differs) if different]
+
+
+def _warn_drifting(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    shapes = ", ".join(str(tuple(p.shape)) for p in params[:4]) + (", ..." if len(params) > 4 else "")
+    warnings.warn(
+        f"{type(optimizer).__name__}.step(): the optimizer trains {len(params)} parameter(s) no fully_shard "
+        f"manages next to sharded ones (shapes {shapes}), and their gradients differ across ranks: nothing "
+        "reduced them, so the ranks' copies drift apart from this step (e.g. the embedding and head when "
+        "fully_shard(model) was not called on the root). Call fully_shard on the root too, after its blocks; "
+        "pass parameters meant to stay local in ignored_params; or keep them in step yourself (torch's "
+        "replicate(), or an all-reduce of their gradients before step())",
+        stacklevel=4,
+    )

@@ -1,17 +1,26 @@
-"""Ranks that built different weights fail at ``fully_shard``, not after days of a mixed model.
+"""Ranks that train with different weights fail at the first forward, not after days of a mixed model.
 
 Each rank's shard is cut from its own copy of a parameter, so ranks that built different values
 (``torch.manual_seed(rank)`` before the model, pretrained weights loaded on rank 0 only) train a
-mix of several initialisations, in silence (torch's FSDP2 too). While the full values exist,
-``fully_shard`` compares each parameter's float64 sum and sum of squares across the data-parallel
-ranks as the divergence check compares its rounds (``handshake.disagreement``), at construction
-only. Skipped: meta and fake parameters (no values yet), tensor subclasses (their own arithmetic),
-a world of one, and ``FSDP_COMPOSE_CHECK_INIT=0`` (ranks that differ on purpose).
+mix of several initialisations, in silence (torch's FSDP2 too). ``fully_shard`` is the one moment
+every rank still holds a whole copy: it compares each parameter's float64 sum and sum of squares
+across the data-parallel ranks as the divergence check compares its rounds
+(``handshake.disagreement``), and only records the verdict. Building a model without a seed and
+loading a checkpoint after sharding is right, so the error waits for the root's first forward
+(lazy init) and names only the parameters whose shards no rank wrote since (a load through
+``load_state_dict``, DCP, ``set_model_state_dict`` or ``load_checkpoint``, an in-place init under
+``torch.no_grad()``, a broadcast): each rank compares its shard's fingerprint with the one taken at
+``fully_shard``, and one all-reduce of those flags lets every rank raise together. Version counters would
+miss writes through ``.data``, ``to_local()`` or a collective, which bump none. Both the extra fingerprint
+and the all-reduce happen only for a group whose ranks differed.
+Skipped: meta and fake parameters (no values yet), tensor subclasses (their own arithmetic), a
+world of one, and ``FSDP_COMPOSE_CHECK_INIT=0`` (ranks that differ on purpose).
 """
 
 from __future__ import annotations
 
 import os
+from functools import partial
 
 import torch
 from torch import nn
@@ -19,34 +28,82 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 from .runtime.handshake import disagreement
+from .runtime.params import ShardedParam
+from .runtime.state import GroupState
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_INIT"
 
 
-def check_same_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh, device: torch.device) -> None:
-    """Raise on every rank if the data-parallel ranks of ``mesh`` hold different ``params`` (name -> value)."""
+def unequal_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh, device: torch.device) -> list[str]:
+    """The names of ``params`` (name -> full value) whose values differ across the data-parallel ranks of
+    ``mesh``: a collective, the same answer on every rank."""
     if os.environ.get(CHECK_ENV, "1") == "0" or not params or mesh.size() == 1:
-        return
+        return []
     pieces = {name: p.to_local() if hasattr(p, "to_local") else p for name, p in params.items()}  # TP: this rank's
     if any(v.is_meta or is_fake(v) for v in pieces.values()):
-        return
+        return []
     # plain tensors only: a subclass (float8, NF4, the extension protocol's) defines its own arithmetic
     params = {name: v for name, v in pieces.items() if type(v) in (torch.Tensor, nn.Parameter)}
     if not params:
-        return
+        return []
     with torch.no_grad():
         prints = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in params.values()])
         prints = torch.nan_to_num(prints.to(device), nan=1.0e300).flatten()  # NaN compares equal to itself here
-        groups = tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
-        found = disagreement(torch.cat([prints, -prints]), groups, f"fully_shard({owner})'s comparison of weights")
+        name = f"fully_shard({owner})'s comparison of weights"
+        found = disagreement(torch.cat([prints, -prints]), _groups(mesh), name)
         differs = (found[: prints.numel()] | found[prints.numel() :]).view(-1, 2).any(dim=1).tolist()
-    if any(differs):
-        names = [name for name, different in zip(params, differs) if different]
-        listed = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
-        raise ValueError(
-            f"fully_shard({owner}): ranks hold different values of {listed}; each rank's shard would come from its "
-            "own copy, so the model would train as a mix of several initialisations. Build the model with the same "
-            "seed on every rank (torch.manual_seed before building it), load pretrained weights on every rank, or "
-            "make them equal first (fsdp_compose.sync_module_states(model) before fully_shard). If ranks differ "
-            f"on purpose, set {CHECK_ENV}=0"
-        )
+    return [name for name, different in zip(params, differs) if different]
+
+
+def defer_verdict(state: GroupState, unequal: list[str]) -> None:
+    """Leave the verdict on ``unequal`` (``state``'s parameter names) for the root's first forward, with a
+    fingerprint of each one's local shard as cut: a later write changes it, whichever way it came."""
+    if not unequal:
+        return
+    by_name = {p.fqn: p for p in state.group.params}
+    recorded = [by_name[name] for name in unequal]
+    state.first_forward_checks.append(partial(_raise_if_unwritten, state, recorded, _local_prints(state, recorded)))
+
+
+def _local_prints(state: GroupState, params: list[ShardedParam]) -> torch.Tensor:
+    """Each local shard's float64 sum and sum of squares, on the group's device (nothing read on the host). A
+    shard replaced since by a tensor subclass (its own arithmetic) reads as -1, unlike any cut: written."""
+    with torch.no_grad():
+        prints = []
+        for p in params:
+            v = p.local_tensor().detach()
+            plain = type(v) in (torch.Tensor, nn.Parameter)
+            prints.append(torch.stack([v.double().sum(), v.double().square().sum()]) if plain else -torch.ones(2))
+        return torch.nan_to_num(torch.stack([x.to(state.group.device) for x in prints]), nan=1.0e300)
+
+
+def _raise_if_unwritten(state: GroupState, recorded: list[ShardedParam], cut: torch.Tensor, where: str) -> None:
+    """Raise, on every rank, for the recorded parameters whose shard no rank of the mesh wrote since
+    ``fully_shard`` (one rank writing is enough: HSDP loads on one replica and broadcasts to the others)."""
+    with torch.no_grad():
+        written = (_local_prints(state, recorded) != cut).any(dim=1).double()
+        # where a rank's flag differs, some rank wrote: the all-reduce (max) reaches every rank of the mesh
+        anywhere = (written.bool() | disagreement(written, _groups(state.group.mesh), _name(state))).tolist()
+    names = [p.fqn for p, written_somewhere in zip(recorded, anywhere) if not written_somewhere]
+    if names:
+        raise ValueError(_message(state, names, where))
+
+
+def _name(state: GroupState) -> str:
+    return f"the first forward's check of fully_shard({state.group.class_name})'s initial weights"
+
+
+def _message(state: GroupState, names: list[str], where: str) -> str:
+    listed = ", ".join(f"'{n}'" for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return (
+        f"fully_shard({state.group.class_name}) of '{where}': ranks hold different values of {listed}; each rank's "
+        "shard came from its own copy at fully_shard and nothing was loaded into it since, so the model would train "
+        "as a mix of several initialisations. Build the model with the same seed on every rank (torch.manual_seed "
+        "before building it), load pretrained weights on every rank (before fully_shard, or into the sharded model "
+        "before its first forward), or make them equal first (fsdp_compose.sync_module_states(model) before "
+        f"fully_shard). If ranks differ on purpose, set {CHECK_ENV}=0"
+    )
+
+
+def _groups(mesh: DeviceMesh) -> tuple:
+    return tuple(mesh.get_group(dim) for dim in range(mesh.ndim))

@@ -1,6 +1,7 @@
 """Issue 40, item 1: an optimizer built before ``fully_shard`` fails at its first step, on every rank,
 naming a parameter and the fix; without the check, two steps change nothing, in silence."""
 
+import pytest
 import torch
 from torch.distributed.tensor import DTensor
 
@@ -103,3 +104,101 @@ def test_trainable_parameters_no_fully_shard_manages_warn_at_the_first_step():
         for out in run_on_ranks(2, _root_left_unsharded, how):
             assert out["warnings"] == [], (how, out)
             assert out["heads_equal"] == (how != "ignored"), (how, out)
+
+
+def _valid_mixes() -> dict:
+    """Issue 51, item 2: programs the checks must leave silent; each flow's warnings and errors."""
+    import warnings
+
+    import torch.distributed as dist
+    from torch.distributed._composable.replicate import replicate
+
+    from fsdp_compose import fully_shard
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = local_slice(global_batch(0, world), rank, world)
+    out = {}
+
+    def flow(name, run):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                run()
+                out[name] = [str(w.message) for w in caught if "fully_shard" in str(w.message)]
+            except RuntimeError as error:
+                out[name] = [str(error)]
+
+    def blocks_only() -> TinyLM:
+        torch.manual_seed(0)
+        model = TinyLM()
+        for block in model.blocks:
+            fully_shard(block)
+        return model
+
+    def all_reduced_by_hand():  # the root's own parameters kept in step by the user's all-reduce
+        model = blocks_only()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        lm_loss(model, batch).backward()
+        for p in [*model.embed.parameters(), *model.norm.parameters(), *model.head.parameters()]:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        optimizer.step()
+
+    def replicated():  # torch's replicate() on the root's own modules, fully_shard on the blocks
+        model = blocks_only()
+        for module in (model.embed, model.norm, model.head):
+            replicate(module)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        lm_loss(model, batch).backward()
+        optimizer.step()
+
+    def two_models():  # a second model, sharded and given its optimizer after the first one trained
+        torch.manual_seed(0)
+        first = TinyLM()
+        shard_blocks_then_root(first)
+        first_optimizer = torch.optim.AdamW(first.parameters(), lr=0.1)
+        lm_loss(first, batch).backward()
+        first_optimizer.step()
+        torch.manual_seed(0)
+        second = TinyLM()
+        shard_blocks_then_root(second)
+        second_optimizer = torch.optim.AdamW(second.parameters(), lr=0.1)
+        for model, optimizer in ((first, first_optimizer), (second, second_optimizer), (first, first_optimizer)):
+            lm_loss(model, batch).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def after_reset_iter_state():  # a failed first step, reset_iter_state, then training goes on
+        torch.manual_seed(0)
+        model = TinyLM()
+        shard_blocks_then_root(model)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        handle = model.blocks[1].register_forward_hook(lambda *_: 1 / 0)
+        try:
+            lm_loss(model, batch).backward()
+        except ZeroDivisionError:
+            model.reset_iter_state()
+        handle.remove()
+        for _ in range(2):
+            lm_loss(model, batch).backward()
+            optimizer.step()
+
+    for name, run in [
+        ("all-reduced by hand", all_reduced_by_hand),
+        ("replicate()", replicated),
+        ("two models", two_models),
+        ("after reset_iter_state", after_reset_iter_state),
+    ]:
+        flow(name, run)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_valid_programs_pass_the_checks_in_silence(world):
+    for out in run_on_ranks(world, _valid_mixes):
+        assert out == {
+            "all-reduced by hand": [],
+            "replicate()": [],
+            "two models": [],
+            "after reset_iter_state": [],
+        }, out

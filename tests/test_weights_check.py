@@ -1,16 +1,30 @@
-"""Issue 40, item 3: ranks that built different weights fail at ``fully_shard``, on every rank, naming
-the parameters and the fixes; without the check the model silently trains a mix of the ranks' copies."""
+"""Issue 40, item 3 and issue 51, item 1: ranks that train with different weights fail at the root's first
+forward, on every rank, naming the parameters and the fixes; ranks that differed only at ``fully_shard``
+(an unseeded model about to be loaded) and were written since pass; without the check the model silently
+trains a mix of the ranks' copies."""
 
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.testing._internal.common_distributed import MultiThreadedTestCase
 
 from fsdp_compose import fully_shard, sync_module_states
 from fsdp_compose.weights_check import CHECK_ENV
 from tests.harness import run_on_ranks
-from tests.models import TinyLM, shard_blocks_then_root
+from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
+
+
+def _first_forward_error(model: TinyLM) -> str | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        lm_loss(model, local_slice(global_batch(0, world), rank, world)).backward()
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def _seeded_by_rank(fix: str) -> dict:
@@ -19,33 +33,36 @@ def _seeded_by_rank(fix: str) -> dict:
     copy = {n: p.detach().clone() for n, p in model.named_parameters()}
     if fix == "sync":
         sync_module_states(model)
-    out = {"error": None}
     if fix == "off":
         os.environ[CHECK_ENV] = "0"
     try:
-        shard_blocks_then_root(model)
-    except ValueError as error:
-        out["error"] = str(error)
+        shard_blocks_then_root(model)  # compares, records, raises nothing
+        out = {"error": _first_forward_error(model)}
     finally:
         os.environ.pop(CHECK_ENV, None)
-    out["untouched"] = not any(isinstance(p, DTensor) for p in model.parameters())
+    out["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
     if out["error"] is None:
         # the full parameter the ranks now share: rows from each rank's own copy
         full = model.blocks[0].fc1.weight.full_tensor()
         copies = [torch.empty_like(full) for _ in range(dist.get_world_size())]
         dist.all_gather(copies, copy["blocks.0.fc1.weight"])
         out["equals_a_rank_copy"] = [torch.equal(full, c) for c in copies]
+    else:  # the model is as it was: the same error again, then a load fixes it
+        out["again"] = _first_forward_error(model) == out["error"]
+        torch.manual_seed(0)
+        model.load_state_dict(TinyLM().state_dict())
+        out["after_load"] = _first_forward_error(model)
     return out
 
 
-def test_ranks_with_different_weights_fail_at_fully_shard():
+def test_ranks_with_different_weights_fail_at_the_first_forward():
     for out in run_on_ranks(2, _seeded_by_rank, "none"):  # every rank
         assert out["error"].startswith(
-            "fully_shard(Block): ranks hold different values of 'norm.weight', 'norm.bias', 'fc1.weight' and 3 more"
-        ) or out["error"].startswith("fully_shard(Block): ranks hold different values of 'fc1.weight'"), out["error"]
+            "fully_shard(TinyLM) of '<root>': ranks hold different values of 'embed.weight', 'head.weight', 'head.bias'"
+        ), out["error"]  # the root's group first: its pre-forward runs the check of every group under it
         assert "torch.manual_seed" in out["error"] and "sync_module_states" in out["error"]
         assert f"{CHECK_ENV}=0" in out["error"]
-        assert out["untouched"], out  # nothing was sharded
+        assert out["sharded"] and out["again"] and out["after_load"] is None, out
 
 
 def test_without_the_check_the_model_is_a_mix_and_sync_fixes_it():
@@ -53,6 +70,104 @@ def test_without_the_check_the_model_is_a_mix_and_sync_fixes_it():
         assert out["error"] is None and out["equals_a_rank_copy"] == [False, False], out  # neither rank's model
     for out in run_on_ranks(2, _seeded_by_rank, "sync"):
         assert out["error"] is None and out["equals_a_rank_copy"] == [True, False], out  # rank 0's, everywhere
+
+
+def _reference() -> TinyLM:
+    torch.manual_seed(0)
+    return TinyLM()
+
+
+def _unseeded_sharded() -> TinyLM:
+    torch.manual_seed(100 + dist.get_rank())  # a fresh process's random seed: ranks differ
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    return model
+
+
+def _loads_after_fully_shard(tmp: str) -> dict:
+    """Every way of writing the shards after fully_shard and before the first forward: no error, and the model
+    is the loaded one (its loss equals the unsharded reference's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+    from fsdp_compose import load_checkpoint, save_checkpoint
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _reference()
+    batch = local_slice(global_batch(0, world), rank, world)
+    expected = lm_loss(reference, batch).item()
+    saved = _unseeded_sharded()
+    saved.load_state_dict(reference.state_dict())
+    dcp.save(saved.state_dict(), checkpoint_id=f"{tmp}/dcp")
+    save_checkpoint(f"{tmp}/ours", saved)
+
+    def dcp_then_load_state_dict(model):
+        state = model.state_dict()
+        dcp.load(state, checkpoint_id=f"{tmp}/dcp")
+        model.load_state_dict(state)
+
+    def in_place_init(model):
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # e.g. an init that draws the full value, then keeps its rows
+                p.copy_(distribute_tensor(reference.get_parameter(name).detach(), p.device_mesh, p.placements))
+
+    def replaced(model):  # load_state_dict(assign=True) registers new shards
+        model.load_state_dict({k: v.clone() for k, v in reference.state_dict().items()}, assign=True)
+
+    loads = {
+        "load_state_dict": lambda model: model.load_state_dict(reference.state_dict()),
+        "dcp.load alone": lambda model: dcp.load(model.state_dict(), checkpoint_id=f"{tmp}/dcp"),
+        "dcp.load then load_state_dict": dcp_then_load_state_dict,
+        "set_model_state_dict": lambda model: set_model_state_dict(model, reference.state_dict()),
+        "load_checkpoint": lambda model: load_checkpoint(f"{tmp}/ours", model),
+        "in-place init under no_grad": in_place_init,
+        "load_state_dict(assign=True)": replaced,
+    }
+    out = {}
+    for name, load in loads.items():
+        model = _unseeded_sharded()
+        load(model)
+        try:
+            out[name] = abs(lm_loss(model, batch).item() - expected)
+        except ValueError as error:
+            out[name] = str(error)
+    # reset_iter_state after a failed first step, then training goes on
+    model = _unseeded_sharded()
+    model.load_state_dict(reference.state_dict())
+    handle = model.blocks[1].register_forward_hook(lambda *_: 1 / 0)
+    try:
+        lm_loss(model, batch)
+    except ZeroDivisionError:
+        model.reset_iter_state()
+    handle.remove()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = lm_loss(model, batch)
+    loss.backward()
+    optimizer.step()
+    out["after reset_iter_state"] = abs(loss.item() - expected)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_loading_after_fully_shard_is_not_refused(world, tmp_path):
+    """Issue 51: build without a seed, shard, load, train, as with torch's FSDP2 (3 ranks: uneven shards)."""
+    for out in run_on_ranks(world, _loads_after_fully_shard, str(tmp_path)):
+        assert all(isinstance(v, float) and v <= 1e-5 for v in out.values()), out
+
+
+def _loaded_on_rank_0_only() -> str | None:
+    torch.manual_seed(100 + dist.get_rank())
+    model = TinyLM()
+    if dist.get_rank() == 0:  # the mistake: pretrained weights on rank 0 only, before fully_shard
+        model.load_state_dict(_reference().state_dict())
+    shard_blocks_then_root(model)
+    return _first_forward_error(model)
+
+
+def test_weights_loaded_on_rank_0_only_are_caught():
+    errors = run_on_ranks(3, _loaded_on_rank_0_only)
+    assert len(set(errors)) == 1, errors  # every rank
+    assert errors[0].startswith("fully_shard(TinyLM) of '<root>': ranks hold different values"), errors
 
 
 def _meta_is_skipped() -> bool:
@@ -69,20 +184,62 @@ def test_meta_parameters_are_not_compared():
     assert run_on_ranks(2, _meta_is_skipped) == [True, True]
 
 
-def _hsdp_one_rank_differs() -> str | None:
+def _hsdp_one_rank_differs(load_on_replica_0: bool) -> str | None:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(1 if dist.get_rank() == 3 else 0)  # agrees with rank 0 along no mesh dim
+    block = TinyLM().blocks[0]
+    fully_shard(block, mesh=mesh)
+    if load_on_replica_0:  # HSDP's resume: replica 0 loads, then broadcasts each shard to the other replicas
+        torch.manual_seed(0)
+        if mesh.get_local_rank(0) == 0:
+            block.load_state_dict(TinyLM().blocks[0].state_dict())
+        for p in block.parameters():
+            dist.broadcast(p.to_local(), src=mesh.mesh[0, mesh.get_local_rank(1)].item(), group=mesh.get_group(0))
     try:
-        fully_shard(TinyLM().blocks[0], mesh=mesh)
+        block(torch.randn(2, block.fc1.in_features))
     except ValueError as error:
         return str(error).split(";")[0]
     return None
 
 
 def test_hsdp_a_rank_differing_off_this_ranks_dims_is_still_seen():
-    """Compared over the whole 2-D mesh, not each dim alone: rank 0 shares no mesh group with rank 3."""
-    assert run_on_ranks(4, _hsdp_one_rank_differs) == [
-        "fully_shard(Block): ranks hold different values of 'fc1.weight', 'fc1.bias', 'fc2.weight' and 1 more"
+    """Compared over the whole 2-D mesh, not each dim alone: rank 0 shares no mesh group with rank 3; a load on
+    replica 0 then a broadcast across replicas (no write seen on the others) passes."""
+    assert run_on_ranks(4, _hsdp_one_rank_differs, False) == [
+        "fully_shard(Block) of '<root>': ranks hold different values of 'fc1.weight', 'fc1.bias', 'fc2.weight' "
+        "and 1 more"
     ] * 4  # the norm's ones and zeros do not depend on the seed
+    assert run_on_ranks(4, _hsdp_one_rank_differs, True) == [None] * 4
+
+
+class TestThreadRanksShareOneGenerator(MultiThreadedTestCase):
+    """torch's own FSDP2 tests run ranks as threads of one process, which share torch's random generator:
+    the ranks of one test build different values, seeded or not. A test that never runs forward, or loads
+    before it does, passes (torch's does); one that trains the throwaway values is told, on every rank."""
+
+    @property
+    def world_size(self) -> int:
+        return 2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self._spawn_threads()
+
+    def test_only_the_first_forward_judges(self) -> None:
+        def build() -> nn.Module:
+            model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3))  # draws from the shared generator
+            for layer in (model[0], model[2], model):
+                fully_shard(layer)
+            return model
+
+        gen = torch.Generator().manual_seed(0)
+        loaded = {k: torch.randn(v.shape, generator=gen) for k, v in build().state_dict().items()}
+        model = build()
+        self.assertTrue(all(isinstance(p, DTensor) for p in model.parameters()))  # fully_shard refuses nothing
+        expected = "fully_shard\\(Linear\\) of '0': ranks hold different values of 'weight', 'bias'"
+        with self.assertRaisesRegex(ValueError, expected):
+            model(torch.ones(2, 6))
+        model.load_state_dict(loaded)
+        self.assertEqual(model(torch.ones(2, 6)).shape, (2, 3))

@@ -27,7 +27,7 @@ from .handshake import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes
 from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
 from .uids import new_uid
-from .unsharded import gather_pieces, use
+from .unsharded import gather_pieces, outside_transforms, use
 
 
 @dataclass(frozen=True)
@@ -112,6 +112,7 @@ class ParamGroup:
         self._kept = None
 
     # ----- unshard / reshard ------------------------------------------------------------
+    @outside_transforms
     def start_unshard(self) -> None:
         """Issue the all-gather unless the group is unsharded or one is in flight: from the shards, or
         within the small group from the slice kept after a ``reshard_after_forward=<int>`` forward."""
@@ -150,6 +151,7 @@ class ParamGroup:
         """How errors name the group: ``'blocks.3' (Block)``; before the first forward, the class name."""
         return self.class_name if self.fqn is None else f"'{self.fqn}' ({self.class_name}){self.mesh_text}"
 
+    @outside_transforms
     def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
         with grad_off(), labelled("copy_out", self):  # into (world, padded bytes) targets, one per extension input
             targets = [t for p in self.params for t in p.form.targets(p)]
@@ -172,6 +174,7 @@ class ParamGroup:
         self.start_unshard()
         self.wait_unshard()
 
+    @outside_transforms
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded storage and register the shards again (``after_forward`` with a post-forward
         group keeps this rank's N-way slice for backward)."""

@@ -6,6 +6,7 @@ Hooks (``fsdp_compose.hooks``) are plain functions that read and write these obj
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -75,6 +76,9 @@ class GroupState:
     # first (registered on the modules) lists the others, which point back to it; each has its own hooks
     companions: list[GroupState] = field(default_factory=list)
     primary: GroupState | None = None
+    # what fully_shard could only judge later (weights_check.py): run by the root's lazy init with the module's
+    # name in the model, each raising on every rank; kept until one first forward passes them
+    first_forward_checks: list[Callable[[str], None]] = field(default_factory=list)
 
     @property
     def module(self) -> nn.Module:

@@ -68,6 +68,11 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
                     "is still on the meta device at the first forward; materialize it first: "
                     "model.to_empty(device=...) then fsdp_compose.init_sharded_parameters(model)"
                 )
+    for name, s in found:  # what fully_shard left to judge here (weights_check.py): collectives, in tree order
+        for check in s.first_forward_checks:
+            check(name or "<root>")
+    for _, s in found:
+        s.first_forward_checks.clear()
     root = RootState(root_module_state=state, states=[s for _, s in found])
     for name, s in found:
         s.group.handshakes.use_ledgers(root.ledgers, root.label_of)
