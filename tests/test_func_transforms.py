@@ -45,3 +45,23 @@ def _jvp_first() -> list[float]:
 def test_first_all_gather_inside_jvp():
     for diffs in run_on_ranks(2, _jvp_first):
         assert len(diffs) == 9 and max(diffs) <= 1e-5, diffs
+
+
+def test_transform_switches_found_on_this_torch():
+    """``outside_transforms`` uses two private torch switches, looked up once: every supported torch (2.11 to
+    2.14.1, CI runs this file on each) has both, so the fallback (the function left as it is, the old
+    behaviour) is for a later torch only; without them the decorator must return the function itself."""
+    from fsdp_compose.runtime import unsharded
+
+    assert unsharded._transforms_active is not None and unsharded._DisableTransforms is not None
+
+    def fn():
+        return 1
+
+    saved = unsharded._transforms_active
+    unsharded._transforms_active = None
+    try:
+        assert unsharded.outside_transforms(fn) is fn
+    finally:
+        unsharded._transforms_active = saved
+    assert unsharded.outside_transforms(fn)() == 1
