@@ -8,7 +8,7 @@ optimizer first and reads into scratch tensors, so a mismatched or corrupt check
 ``CheckpointError`` naming the key and leaves the model untouched. The state is saved sharded
 (DTensors), so a checkpoint loads at any world size. Every rank must see the same directory.
 Each file's CRC-32 is recorded in ``checksums.json`` and verified before a load
-(``checkpoint_integrity.py``); ``load_checkpoint(..., fallback=True)`` then uses the previous
+(``integrity.py``); ``load_checkpoint(..., fallback=True)`` then uses the previous
 checkpoint, which a save keeps unless ``keep_previous=False``.
 """
 
@@ -35,10 +35,11 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..views import reshard_idle
-from . import checkpoint_integrity as integrity
-from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
-from .checkpoint_safety import SafeLoadPlanner, SafeReader, load_plain, not_plain
+from ...views import reshard_idle
+from . import integrity
+from .errors import CheckpointError
+from .keys import flatten, format_problems, map_leaves, mismatches
+from .safety import SafeLoadPlanner, SafeReader, load_plain, not_plain
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:

@@ -27,7 +27,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .checkpoint_check import CheckpointError
+from .errors import CheckpointError
 
 _DCP_PACKAGE = "torch.distributed.checkpoint"
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .checkpoint_check import CheckpointError
+from .errors import CheckpointError
 
 MANIFEST = "checksums.json"
 OWNER = "owner.json"
