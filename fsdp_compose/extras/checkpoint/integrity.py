@@ -2,13 +2,17 @@
 
 ``checksums.json`` in the checkpoint directory records each file's size and CRC-32. Ranks
 hash disjoint slices of the file list in parallel and exchange results, so every rank raises
-the same ``CheckpointError`` naming the bad file (flipped byte, truncated, missing). The
+the same ``CheckpointError`` naming the bad file (flipped byte, truncated, missing). Verifying
+reads only what ``files.py`` admits (bare names, regular files, at most the recorded size, the
+manifest itself bounded), turns every ``OSError`` into a line of the verdict, and checks that the
+manifest covers every file the metadata names, so every rank reaches the same verdict. The
 owner file in a ``.partial`` directory says which process's save is writing it, so a later
 save removes only leftovers that no live save owns.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import socket
@@ -17,11 +21,15 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from torch.distributed.checkpoint.metadata import Metadata
+
+from . import files, safety
 from .errors import CheckpointError
 
 MANIFEST = "checksums.json"
 OWNER = "owner.json"
 _CHUNK = 1 << 22
+MANIFEST_LIMIT = 16 << 20  # ~100 bytes a file: far more files than any checkpoint has
 _live_saves: set[str] = set()  # partial directories this process is writing now
 
 
@@ -61,36 +69,101 @@ def write_manifest(directory: Path, manifest: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _problem(path: Path, expected: dict) -> str | None:
-    if not path.exists():
+def _crc32_bounded(file, length: int) -> int:
+    crc, left = 0, length
+    while left and (chunk := file.read(min(_CHUNK, left))):
+        crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+    return crc
+
+
+def _problem(directory: Path, name: str, expected: object) -> str | None:
+    """What is wrong with one file of the manifest, or None; never raises, never reads past its record."""
+    if not (isinstance(expected, dict) and type(expected.get("bytes")) is int and type(expected.get("crc32")) is int):
+        return f"recorded as {str(expected)[:80]!r} in {MANIFEST}, not as its size and CRC-32"
+    try:
+        with files.open_regular(directory, name) as file:
+            size = files.size_of(file)
+            if size != expected["bytes"]:
+                return f"{size} bytes, {expected['bytes']} recorded (truncated or overwritten)"
+            if _crc32_bounded(file, size) != expected["crc32"]:
+                return "checksum mismatch (the file's bytes changed since it was saved)"
+    except files.FileRefused as refused:
+        return refused.reason
+    except FileNotFoundError:
         return "missing"
-    size = path.stat().st_size
-    if size != expected["bytes"]:
-        return f"{size} bytes, {expected['bytes']} recorded (truncated or overwritten)"
-    if crc32_of(path) != expected["crc32"]:
-        return "checksum mismatch (the file's bytes changed since it was saved)"
+    except OSError as error:
+        return f"unreadable ({type(error).__name__}: {error.strerror})"
     return None
 
 
-def verify(directory: Path) -> None:
-    """Collective: check every recorded file; every rank raises the same error naming bad files."""
+def _read_manifest(directory: Path) -> dict:
+    """``checksums.json``'s table of files, read whole but bounded; raises what is wrong with it."""
+    manifest = json.loads(files.read_whole(directory, MANIFEST, MANIFEST_LIMIT))
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        raise ValueError("no table of files")
+    return manifest["files"]
+
+
+def _checked_metadata(directory: Path, listed: dict | None) -> tuple[Metadata | None, list[str]]:
+    """The metadata, and what keeps its storage entries from being read (``files.storage_problems``)."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_text())
-        files = manifest["files"]
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        problems = {MANIFEST: f"unreadable ({type(error).__name__}: {error})"}
-    else:
-        problems = {}
-        for name in _my_share(sorted(files)):
-            found = _problem(directory / name, files[name])
-            if found is not None:
-                problems[name] = found
-    problems = _gather(problems)
+        if listed is not None and files.METADATA not in listed:
+            return None, [f"file {files.METADATA!r} is not in {MANIFEST}, so nothing vouches for it"]
+        path = str(directory / files.METADATA)
+        metadata = safety.read_metadata(path, io.BytesIO(files.read_whole(directory, files.METADATA, 1 << 40)))
+    except CheckpointError as error:
+        return None, [str(error)]
+    except FileNotFoundError:
+        return None, [f"file {str(directory / files.METADATA)!r}: missing"]
+    except OSError as error:
+        return None, [f"file {str(directory / files.METADATA)!r}: unreadable ({type(error).__name__}: {error.strerror})"]
+    return metadata, files.storage_problems(directory, metadata, listed)
+
+
+def _label(directory: Path, name: str) -> str:
+    if files.is_bare_name(name):
+        return f"file {str(directory / name)!r}"
+    return f"entry {name!r} of {MANIFEST} (not a file name in the checkpoint directory; never opened)"
+
+
+def verify(directory: Path, checksums: bool = True) -> Metadata:
+    """Collective: check every recorded file and the metadata's storage entries; return the metadata.
+
+    Every rank raises the same ``CheckpointError`` naming the bad files: checksum failures first,
+    then entries the file layer refuses. ``checksums=False`` (a checkpoint torch's DCP wrote, which
+    has none) checks the entries alone.
+    """
+    problems: dict[str, str] = {}
+    listed = None
+    if checksums:
+        try:
+            listed = _read_manifest(directory)
+        except files.FileRefused as refused:
+            problems[MANIFEST] = refused.reason
+        except (OSError, ValueError, RecursionError) as error:
+            problems[MANIFEST] = f"unreadable ({type(error).__name__}: {error})"
+        else:
+            for name in _my_share(sorted(listed)):
+                found = _problem(directory, name, listed[name])
+                if found is not None:
+                    problems[name] = found
+    metadata, layout = (None, []) if problems.get(MANIFEST) else _checked_metadata(directory, listed)
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, (problems, layout))
+    problems = {name: what for part, _ in everyone for name, what in part.items()}
     if problems:
-        lines = [f"  file {str(directory / name)!r}: {what}" for name, what in sorted(problems.items())]
+        lines = [f"  {_label(directory, name)}: {what}" for name, what in sorted(problems.items())]
         raise CheckpointError(
             f"checkpoint {str(directory)!r} failed its integrity check; nothing was loaded:\n" + "\n".join(lines)
         )
+    layout = sorted({line for _, part in everyone for line in part})
+    if layout:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} names files it may not read; nothing was loaded:\n  "
+            + "\n  ".join(layout[:12])
+            + (f"\n  ... and {len(layout) - 12} more" if len(layout) > 12 else "")
+        )
+    return metadata
 
 
 def claim(partial: Path) -> None:
