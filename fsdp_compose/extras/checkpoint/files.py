@@ -93,11 +93,11 @@ def read_exactly(file: BinaryIO, length: int, path: str) -> bytes:
     return data
 
 
-def read_whole(directory: Path, name: str, limit: int) -> bytes:
+def read_whole(directory: Path, name: str, limit: int | None = None) -> bytes:
     """The whole regular file ``directory/name``, refused if it holds more than ``limit`` bytes."""
     with open_regular(directory, name) as file:
         size = size_of(file)
-        if size > limit:
+        if limit is not None and size > limit:
             raise FileRefused(os.path.join(directory, name), f"{size} bytes, more than the {limit} such a file holds")
         return read_exactly(file, size, os.path.join(directory, name))
 

@@ -34,10 +34,15 @@ _live_saves: set[str] = set()  # partial directories this process is writing now
 
 
 def crc32_of(path: Path) -> int:
-    crc = 0
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            crc = zlib.crc32(chunk, crc)
+        return _crc32_of_first(f, os.fstat(f.fileno()).st_size)
+
+
+def _crc32_of_first(file, length: int) -> int:
+    """The CRC-32 of the file's first ``length`` bytes (fewer if it ends sooner): never reads past them."""
+    crc, left = 0, length
+    while left and (chunk := file.read(min(_CHUNK, left))):
+        crc, left = zlib.crc32(chunk, crc), left - len(chunk)
     return crc
 
 
@@ -69,13 +74,6 @@ def write_manifest(directory: Path, manifest: dict) -> None:
         os.fsync(f.fileno())
 
 
-def _crc32_bounded(file, length: int) -> int:
-    crc, left = 0, length
-    while left and (chunk := file.read(min(_CHUNK, left))):
-        crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-    return crc
-
-
 def _problem(directory: Path, name: str, expected: object) -> str | None:
     """What is wrong with one file of the manifest, or None; never raises, never reads past its record."""
     if not (isinstance(expected, dict) and type(expected.get("bytes")) is int and type(expected.get("crc32")) is int):
@@ -85,7 +83,7 @@ def _problem(directory: Path, name: str, expected: object) -> str | None:
             size = files.size_of(file)
             if size != expected["bytes"]:
                 return f"{size} bytes, {expected['bytes']} recorded (truncated or overwritten)"
-            if _crc32_bounded(file, size) != expected["crc32"]:
+            if _crc32_of_first(file, size) != expected["crc32"]:
                 return "checksum mismatch (the file's bytes changed since it was saved)"
     except files.FileRefused as refused:
         return refused.reason
@@ -106,24 +104,24 @@ def _read_manifest(directory: Path) -> dict:
 
 def _checked_metadata(directory: Path, listed: dict | None) -> tuple[Metadata | None, list[str]]:
     """The metadata, and what keeps its storage entries from being read (``files.storage_problems``)."""
+    path = str(directory / files.METADATA)
     try:
         if listed is not None and files.METADATA not in listed:
             return None, [f"file {files.METADATA!r} is not in {MANIFEST}, so nothing vouches for it"]
-        path = str(directory / files.METADATA)
-        metadata = safety.read_metadata(path, io.BytesIO(files.read_whole(directory, files.METADATA, 1 << 40)))
+        metadata = safety.read_metadata(path, io.BytesIO(files.read_whole(directory, files.METADATA)))
+        return metadata, files.storage_problems(directory, metadata, listed)
     except CheckpointError as error:
         return None, [str(error)]
     except FileNotFoundError:
-        return None, [f"file {str(directory / files.METADATA)!r}: missing"]
-    except OSError as error:
-        return None, [f"file {str(directory / files.METADATA)!r}: unreadable ({type(error).__name__}: {error.strerror})"]
-    return metadata, files.storage_problems(directory, metadata, listed)
+        return None, [f"file {path!r}: missing"]
+    except Exception as error:  # noqa: BLE001 - an OSError, or a crafted table; a line of the verdict either way
+        return None, [f"file {path!r}: unusable ({type(error).__name__}: {error})"]
 
 
 def _label(directory: Path, name: str) -> str:
     if files.is_bare_name(name):
         return f"file {str(directory / name)!r}"
-    return f"entry {name!r} of {MANIFEST} (not a file name in the checkpoint directory; never opened)"
+    return f"entry {name!r} of {MANIFEST}"
 
 
 def verify(directory: Path, checksums: bool = True) -> Metadata:
@@ -159,7 +157,7 @@ def verify(directory: Path, checksums: bool = True) -> Metadata:
     layout = sorted({line for _, part in everyone for line in part})
     if layout:
         raise CheckpointError(
-            f"checkpoint {str(directory)!r} names files it may not read; nothing was loaded:\n  "
+            f"checkpoint {str(directory)!r} points at data it may not read; nothing was loaded:\n  "
             + "\n  ".join(layout[:12])
             + (f"\n  ... and {len(layout) - 12} more" if len(layout) > 12 else "")
         )

@@ -64,16 +64,18 @@ class CheckedReader(StorageReader):
             per_file.setdefault(self.metadata.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
             path = os.path.join(self.directory, name)
-            with files.open_regular(self.directory, name) as file:
-                size = files.size_of(file)
-                for item in sorted(items, key=lambda item: self.metadata.storage_data[item.storage_index].offset):
-                    where = f"key {item.storage_index.fqn!r} in file {path!r}"
-                    try:
+            items.sort(key=lambda item: self.metadata.storage_data[item.storage_index].offset)
+            where = f"key {items[0].storage_index.fqn!r} in file {path!r}"
+            try:
+                with files.open_regular(self.directory, name) as file:
+                    size = files.size_of(file)
+                    for item in items:
+                        where = f"key {item.storage_index.fqn!r} in file {path!r}"
                         self._read_item(file, size, item, planner, where, path)
-                    except CheckpointError:
-                        raise
-                    except Exception as error:  # noqa: BLE001 - torch's reader fails many ways; each is named here
-                        raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
+            except CheckpointError:
+                raise
+            except Exception as error:  # noqa: BLE001 - the OS and torch's reader fail many ways; each is named
+                raise CheckpointError(f"{where}: unreadable ({type(error).__name__}: {error})") from None
         done: Future = Future()
         done.set_result(None)
         return done
