@@ -2,7 +2,9 @@
 
 ``save_load.py`` saves and loads; ``keys.py`` names every value by a flat key and checks the
 metadata against the model; ``integrity.py`` records and verifies per-file checksums;
-``safety.py`` reads the pickled pieces through an allowlist.
+``files.py`` lets a load read only the checkpoint's own regular files, within their sizes, and
+``reader.py`` is DCP's storage reader built on it; ``safety.py`` reads the pickled pieces through
+an allowlist.
 """
 
 from .errors import CheckpointError

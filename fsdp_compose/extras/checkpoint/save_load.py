@@ -181,7 +181,9 @@ def load_checkpoint(
 
     Loading runs no code from the files: DCP's metadata and every value are read through an
     allowlist of plain data (docs/checkpointing.md), and a crafted file raises ``CheckpointError``
-    naming it. Checkpoints of fsdp_compose before 0.1.1 pickled ``extra``; such a checkpoint loads only
+    naming it. It reads only the checkpoint's own regular files, by bare name, within their sizes,
+    and inflates no compressed record (``files.py``), so its memory is bounded by what is on disk.
+    Checkpoints of fsdp_compose before 0.1.1 pickled ``extra``; such a checkpoint loads only
     with ``allow_pickled_extra=True``, which unpickles it and so runs whatever it names: pass it
     only for a checkpoint you trust. A checkpoint ``torch.distributed.checkpoint.save`` wrote (its
     state under "model" and, optionally, "optim"; no checksums) loads as ``(0, None)``.
