@@ -102,6 +102,39 @@ def read_whole(directory: Path, name: str, limit: int | None = None) -> bytes:
         return read_exactly(file, size, os.path.join(directory, name))
 
 
+class Window(io.RawIOBase):
+    """Bytes ``offset`` to ``offset + length`` of an open file, read as a file of their own: no read
+    reaches past them, whatever the zip inside claims. torch reads records with ``readinto``, so a
+    tensor goes from the file into its storage in one copy, as with DCP's own reader."""
+
+    def __init__(self, file: BinaryIO, offset: int, length: int) -> None:
+        super().__init__()
+        self.file, self.offset, self.length, self.position = file, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
+        start = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence]
+        self.position = min(max(start + position, 0), self.length)
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        wanted = min(len(buffer), self.length - self.position)
+        if wanted <= 0:
+            return 0
+        self.file.seek(self.offset + self.position)
+        got = self.file.readinto(memoryview(buffer).cast("B")[:wanted]) or 0
+        self.position += got
+        return got
+
+
 def storage_problems(directory: Path, metadata: Metadata, listed: Collection[str] | None) -> list[str]:
     """What keeps the metadata's storage entries from being read safely, one line per file or key.
 
@@ -153,15 +186,16 @@ def _size_or_problem(directory: Path, name: str) -> int | str:
         return f"unreadable ({type(error).__name__}: {error.strerror})"
 
 
-def check_payload(data: bytes, where: str) -> None:
+def check_payload(data: bytes | Window, where: str) -> None:
     """An item is torch.save's zip whose every record is stored (not compressed) inside ``data``.
 
     torch's zip reader inflates a deflated record (which ``torch.save`` never writes) before
     anything compares it with the item's size: 765 KiB became 770 MiB. Checked from the zip's
     central directory, before torch reads any record.
     """
+    size = data.length if isinstance(data, Window) else len(data)
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        with zipfile.ZipFile(data if isinstance(data, Window) else io.BytesIO(data)) as archive:
             records = archive.infolist()
     except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as error:
         raise CheckpointError(f"{where}: not a torch.save archive ({error})") from None
@@ -171,8 +205,7 @@ def check_payload(data: bytes, where: str) -> None:
                 f"{where}: record {record.filename!r} is compressed (method {record.compress_type}); torch.save "
                 "stores records as they are, and inflating one could take any amount of memory"
             )
-        if record.file_size != record.compress_size or record.header_offset + record.compress_size > len(data):
+        if record.file_size != record.compress_size or record.header_offset + record.compress_size > size:
             raise CheckpointError(
-                f"{where}: record {record.filename!r} claims {record.file_size} bytes, beyond the item's "
-                f"{len(data)}"
+                f"{where}: record {record.filename!r} claims {record.file_size} bytes, beyond the item's {size}"
             )

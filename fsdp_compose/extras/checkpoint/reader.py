@@ -1,8 +1,9 @@
 """DCP's storage reader, rewritten to read through the file layer's checks.
 
 ``CheckedReader`` is handed metadata already read and checked (``integrity.verify``), so DCP
-reads no ``.metadata`` of its own. Each item is read whole from a regular file opened without
-following a link, its zip checked before torch inflates anything (``files.check_payload``), and a
+reads no ``.metadata`` of its own. Each item is read through a window on a regular file opened
+without following a link (``files.Window``: no read reaches past the item), its zip checked before
+torch reads a record (``files.check_payload``), and a
 tensor's storage checked against the chunk it claims to be before it is narrowed and copied. Any
 failure is a ``CheckpointError`` naming the key and the file; DCP gathers each rank's failure
 and raises on every rank.
@@ -71,7 +72,7 @@ class CheckedReader(StorageReader):
                     size = files.size_of(file)
                     for item in items:
                         where = f"key {item.storage_index.fqn!r} in file {path!r}"
-                        self._read_item(file, size, item, planner, where, path)
+                        self._read_item(file, size, item, planner, where)
             except CheckpointError:
                 raise
             except Exception as error:  # noqa: BLE001 - the OS and torch's reader fail many ways; each is named
@@ -80,17 +81,17 @@ class CheckedReader(StorageReader):
         done.set_result(None)
         return done
 
-    def _read_item(self, file, size: int, item: ReadItem, planner: LoadPlanner, where: str, path: str) -> None:
+    def _read_item(self, file, size: int, item: ReadItem, planner: LoadPlanner, where: str) -> None:
         info = self.metadata.storage_data[item.storage_index]
         if info.offset + info.length > size:
             raise CheckpointError(f"{where}: bytes {info.offset} + {info.length}, past the file's {size}")
-        file.seek(info.offset)
-        data = files.read_exactly(file, info.length, path)
-        files.check_payload(data, where)
+        item_bytes = files.Window(file, info.offset, info.length)
+        files.check_payload(item_bytes, where)
+        item_bytes.seek(0)
         if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(data))
+            planner.load_bytes(item, io.BytesIO(item_bytes.read(info.length)))
             return
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tensor = torch.load(item_bytes, map_location="cpu", weights_only=True)
         chunk = self.chunk_sizes.get((item.storage_index.fqn, tuple(item.storage_index.offset or ())))
         if not isinstance(tensor, torch.Tensor) or chunk is None or tuple(tensor.shape) != chunk:
             what = f"a tensor of shape {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else "no tensor"
