@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .errors import CheckpointError
 
 METADATA = ".metadata"  # DCP's name for a checkpoint's metadata file
+# open flags: never through a link, never blocking (a FIFO swapped in after lstat); 0 where the OS lacks one
+_NO_LINK_NO_WAIT = sum(getattr(os, flag, 0) for flag in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC"))
 
 
 class FileRefused(CheckpointError):
@@ -70,7 +72,7 @@ def open_regular(directory: Path, name: str) -> BinaryIO:
     seen = os.lstat(path)
     if not stat.S_ISREG(seen.st_mode):
         raise FileRefused(path, f"{_kind(seen.st_mode)}, not a regular file; never opened")
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | _NO_LINK_NO_WAIT)
     try:
         now = os.fstat(fd)
         if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
