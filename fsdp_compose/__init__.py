@@ -39,7 +39,7 @@ _EXTRAS = {
     "save_checkpoint": ("fsdp_compose.extras.checkpoint", "save_checkpoint"),
     "load_checkpoint": ("fsdp_compose.extras.checkpoint", "load_checkpoint"),
     "checkpoint_exists": ("fsdp_compose.extras.checkpoint", "exists"),
-    "CheckpointError": ("fsdp_compose.extras.checkpoint_check", "CheckpointError"),
+    "CheckpointError": ("fsdp_compose.extras.checkpoint", "CheckpointError"),
     "quantize_all_gather": ("fsdp_compose.extras.quantize", "quantize_all_gather"),
     "init_sharded_parameters": ("fsdp_compose.extras.deferred_init", "init_sharded_parameters"),
     "sync_module_states": ("fsdp_compose.extras.deferred_init", "sync_module_states"),

@@ -35,8 +35,7 @@ VIEWS = "views.py"  # the one core module the extras may import besides the pack
 NAMED_BY_STRING: dict[tuple[str, str], str] = {
     ("__init__.py", "fsdp_compose.extras.observe.explain"): "explain, Explanation, collective_bytes: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.observe.estimate"): "estimate, Estimate: lazy re-export",
-    ("__init__.py", "fsdp_compose.extras.checkpoint"): "save_checkpoint, load_checkpoint, ...: lazy re-export",
-    ("__init__.py", "fsdp_compose.extras.checkpoint_check"): "CheckpointError: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.checkpoint"): "save_checkpoint, load_checkpoint, CheckpointError, ...: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.quantize"): "quantize_all_gather: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.wrap"): "apply_fully_shard and its policies: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.deferred_init"): "init_sharded_parameters, sync_module_states: lazy re-export",
@@ -305,8 +304,8 @@ def test_imports_are_read_from_every_kind_of_import_statement():
     imports = package_imports()
     guarded = ast.parse("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .group import ParamGroup\n")
     assert _imported_modules(guarded, "fsdp_compose.runtime", set(_module_files())) == {"fsdp_compose.runtime.group"}
-    assert "extras/checkpoint_integrity.py" in imports["extras/checkpoint.py"]  # from . import ... as
-    assert "extras/__init__.py" not in imports["extras/checkpoint.py"]
+    assert "extras/checkpoint/integrity.py" in imports["extras/checkpoint/save_load.py"]  # from . import module
+    assert "extras/checkpoint/__init__.py" not in imports["extras/checkpoint/save_load.py"]
     assert "extras/observe/memory.py" in imports["extras/observe/explain.py"]  # from . import memory, plan
     assert "views.py" in imports["extras/observe/explain.py"]  # from ...views import
     assert "api.py" in imports["__init__.py"]

@@ -17,8 +17,8 @@ from unittest import mock
 import torch.distributed as dist
 
 from fsdp_compose import CheckpointError, load_checkpoint, save_checkpoint
-from fsdp_compose.extras import checkpoint as ckpt_module
-from fsdp_compose.extras import checkpoint_integrity as integrity
+from fsdp_compose.extras.checkpoint import integrity
+from fsdp_compose.extras.checkpoint import save_load as ckpt_module
 from tests.harness import run_on_ranks
 from tests.whole_model.test_checkpoint import _setup, _train
 

@@ -22,10 +22,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from fsdp_compose import CheckpointError, load_checkpoint, save_checkpoint
-from fsdp_compose.extras import checkpoint_integrity as integrity
-from fsdp_compose.extras.checkpoint import _state
-from fsdp_compose.extras.checkpoint_check import flatten
-from fsdp_compose.extras.checkpoint_safety import load_plain, not_plain
+from fsdp_compose.extras.checkpoint import integrity
+from fsdp_compose.extras.checkpoint.keys import flatten
+from fsdp_compose.extras.checkpoint.safety import load_plain, not_plain
+from fsdp_compose.extras.checkpoint.save_load import _state
 from tests.harness import run_on_ranks
 from tests.models import max_abs_diff
 from tests.whole_model.test_checkpoint import _full_params, _setup, _train

@@ -13,9 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, unreadable, or does not fit the model / optimizer it is loaded into."""
+from .errors import CheckpointError
 
 
 def map_leaves(tree: Any, fn: Callable[[str, Any], Any], prefix: str = "") -> Any:

@@ -3,12 +3,14 @@
 torch.distributed.checkpoint reads a checkpoint's ``.metadata`` with ``pickle.load`` and each
 value that is not a tensor (``step``, ``extra``, optimizer hyperparameters) with
 ``torch.load(weights_only=False)``: a crafted file can run any code while being read, and a
-rewritten ``checksums.json`` passes the integrity check. ``SafeReader`` reads the metadata with an
+rewritten ``checksums.json`` passes the integrity check. ``read_metadata`` reads the metadata with an
 unpickler admitting only DCP's metadata classes (dataclasses and enums of
 ``torch.distributed.checkpoint``), torch's sizes, dtypes and layouts, and paths; ``SafeLoadPlanner``
 admits a value only as ``torch.load(weights_only=True)`` does (containers, numbers, strings,
-tensors). Anything else raises ``CheckpointError`` naming the file and what it tried to load,
-before it is built. Tensors DCP already reads with ``weights_only=True``.
+tensors), parsing each once, and no deeper than ``MAX_DEPTH``. Anything else raises
+``CheckpointError`` naming the file and what it tried to load, before it is built. Tensors are read
+with ``weights_only=True`` (``reader.py``), and every payload's zip is checked before it is
+inflated (``files.check_payload``).
 """
 
 from __future__ import annotations
@@ -24,10 +26,10 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata
 
-from .checkpoint_check import CheckpointError
+from .errors import CheckpointError
 
 _DCP_PACKAGE = "torch.distributed.checkpoint"
 _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
@@ -79,23 +81,12 @@ def read_metadata(path: str, stream) -> Metadata:
     return metadata
 
 
-class SafeReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata goes through the allowlist."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as stream:
-            metadata = read_metadata(str(path), stream)
-        if getattr(metadata, "storage_meta", None) is not None:
-            metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
 def load_plain(data: bytes | io.BytesIO, where: str) -> Any:
-    """``torch.load(weights_only=True)`` of ``data``, a refusal raised as ``CheckpointError`` naming ``where``."""
+    """``torch.load(weights_only=True)`` of ``data`` (no deeper than ``MAX_DEPTH``), a refusal raised as
+    ``CheckpointError`` naming ``where``."""
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
-        return torch.load(stream, weights_only=True)
+        value = torch.load(stream, weights_only=True)
     except pickle.UnpicklingError as error:
         found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
         detail = re.search(r"WeightsUnpickler error: *\n*(.+)", str(error))
@@ -105,34 +96,56 @@ def load_plain(data: bytes | io.BytesIO, where: str) -> Any:
             f"checkpoint value {where} {what} plain data never needs; refused before anything in it ran "
             "(a crafted file, or one saved with objects other than containers, numbers, strings and tensors)"
         ) from None
+    except (RecursionError, MemoryError, EOFError, RuntimeError, ValueError) as error:
+        raise CheckpointError(f"checkpoint value {where} is unreadable ({type(error).__name__}: {error})") from None
+    found = not_plain(value, f"value {where}", any_leaf=True)
+    if found is not None:
+        raise CheckpointError(f"checkpoint {found}; refused (a crafted file)")
+    return value
 
 
-_SCALARS = (str, bytes, int, float, bool, type(None), torch.dtype)
+_SCALARS = (str, bytes, int, float, bool, type(None), torch.dtype, torch.Size, torch.Tensor)
+MAX_DEPTH = 100  # containers in containers; pickling or printing a much deeper value overflows the stack
 
 
-def not_plain(value: Any, where: str = "extra") -> str | None:
+def not_plain(value: Any, where: str = "extra", any_leaf: bool = False) -> str | None:
     """Where in ``value`` something is not plain data (what ``torch.load(weights_only=True)`` admits:
-    dicts, lists, tuples, strings, numbers, booleans, None, tensors), and what it is; None if all is."""
-    kind = type(value)
-    if kind in _SCALARS or kind is torch.Size or kind is torch.Tensor:
-        return None
-    if kind in (dict, OrderedDict):
-        for key, item in value.items():
-            found = not_plain(key, f"{where} (a key)") or not_plain(item, f"{where}[{key!r}]")
-            if found:
-                return found
-        return None
-    if kind in (list, tuple):
-        return next((f for i, item in enumerate(value) if (f := not_plain(item, f"{where}[{i}]"))), None)
-    return f"{where}: a {kind.__module__}.{kind.__qualname__}"
+    dicts, lists, tuples, strings, numbers, booleans, None, tensors) or nests deeper than ``MAX_DEPTH``,
+    and what it is; None if all is. Walked with a stack of its own, so any depth is reported, never a
+    ``RecursionError``. ``any_leaf``: check only the depth (torch.load's allowlist has checked the kinds)."""
+    pending = [(value, where, 0)]
+    while pending:
+        value, where, depth = pending.pop()
+        kind = type(value)
+        if kind in _SCALARS or (any_leaf and kind not in (dict, OrderedDict, list, tuple)):
+            continue
+        if kind not in (dict, OrderedDict, list, tuple):
+            return f"{where}: a {kind.__module__}.{kind.__qualname__}"
+        if depth == MAX_DEPTH:
+            return f"{where.split('[')[0]}: containers nested more than {MAX_DEPTH} deep"
+        if kind in (dict, OrderedDict):
+            items = [(key, f"{where} (a key)") for key in value] + [(v, f"{where}[{k!r}]") for k, v in value.items()]
+        else:
+            items = [(item, f"{where}[{i}]") for i, item in enumerate(value)]
+        pending += [(item, place, depth + 1) for item, place in reversed(items)]
+    return None
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner admitting only plain data in the values it reads as bytes."""
+    """DCP's load planner admitting only plain data in the values it reads as bytes, each parsed once."""
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         info = getattr(self.metadata, "storage_data", {}).get(read_item.storage_index)
         where = f"'{read_item.dest_index.fqn}'" + (f" in file {info.relative_path!r}" if info is not None else "")
-        load_plain(value, where)  # refuses a crafted value; what passes loads alike without the allowlist
-        value.seek(0)
-        super().load_bytes(read_item, value)
+        loaded = load_plain(value, where)
+        if self.flatten_state_dict:  # where DefaultLoadPlanner.load_bytes puts it, without a second parse
+            _set_at(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded
+
+
+def _set_at(tree: Any, path: tuple, value: Any) -> None:
+    """``tree[path[0]][path[1]]... = value``: a flattened key's place in the nested state dict."""
+    for step in path[:-1]:
+        tree = tree[step]
+    tree[path[-1]] = value

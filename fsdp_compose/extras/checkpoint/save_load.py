@@ -8,7 +8,7 @@ optimizer first and reads into scratch tensors, so a mismatched or corrupt check
 ``CheckpointError`` naming the key and leaves the model untouched. The state is saved sharded
 (DTensors), so a checkpoint loads at any world size. Every rank must see the same directory.
 Each file's CRC-32 is recorded in ``checksums.json`` and verified before a load
-(``checkpoint_integrity.py``); ``load_checkpoint(..., fallback=True)`` then uses the previous
+(``integrity.py``); ``load_checkpoint(..., fallback=True)`` then uses the previous
 checkpoint, which a save keeps unless ``keep_previous=False``.
 """
 
@@ -35,10 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ..views import reshard_idle
-from . import checkpoint_integrity as integrity
-from .checkpoint_check import CheckpointError, flatten, format_problems, map_leaves, mismatches
-from .checkpoint_safety import SafeLoadPlanner, SafeReader, load_plain, not_plain
+from ...views import reshard_idle
+from . import integrity
+from .errors import CheckpointError
+from .keys import flatten, format_problems, map_leaves, mismatches
+from .files import METADATA, check_payload
+from .reader import CheckedReader
+from .safety import MAX_DEPTH, SafeLoadPlanner, load_plain, not_plain
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:
@@ -119,8 +122,8 @@ def save_checkpoint(
     if found is not None:
         raise CheckpointError(
             f"save_checkpoint: {found}; extra holds plain data only (dicts, lists, tuples, strings, numbers, "
-            "booleans, None, tensors), so that loading a checkpoint never runs code; store such an object's "
-            "state (e.g. its state_dict()) instead"
+            f"booleans, None, tensors; containers at most {MAX_DEPTH} deep), so that loading a checkpoint never runs "
+            "code; store such an object's state (e.g. its state_dict()) instead"
         )
     reshard_idle(model, "save_checkpoint")
     flat = flatten(_state(model, optimizer))
@@ -178,33 +181,36 @@ def load_checkpoint(
 
     Loading runs no code from the files: DCP's metadata and every value are read through an
     allowlist of plain data (docs/checkpointing.md), and a crafted file raises ``CheckpointError``
-    naming it. Checkpoints of fsdp_compose before 0.1.1 pickled ``extra``; such a checkpoint loads only
+    naming it. It reads only the checkpoint's own regular files, by bare name, within their sizes,
+    and inflates no compressed record (``files.py``), so its memory is bounded by what is on disk.
+    Checkpoints of fsdp_compose before 0.1.1 pickled ``extra``; such a checkpoint loads only
     with ``allow_pickled_extra=True``, which unpickles it and so runs whatever it names: pass it
     only for a checkpoint you trust. A checkpoint ``torch.distributed.checkpoint.save`` wrote (its
     state under "model" and, optionally, "optim"; no checksums) loads as ``(0, None)``.
     """
     where = resolve(path)
-    if _written_by_torch_dcp(where):
-        return _load_dcp(where, model, optimizer)
+    if _maybe_written_by_torch_dcp(where):
+        metadata = integrity.verify(where, checksums=False)  # every file-layer check but the checksums
+        if "meta.step" not in metadata.state_dict_metadata:  # else one of ours that lost its checksums
+            return _load_dcp(where, metadata, model, optimizer)
     try:
-        integrity.verify(where)
+        metadata = integrity.verify(where)
     except CheckpointError as error:
         _, previous = _siblings(Path(path))
         if not fallback or where == previous or not previous.exists():
             raise
         warnings.warn(f"{error}\nloading the previous checkpoint {str(previous)!r} instead", stacklevel=2)
         where = previous
-        integrity.verify(where)
-    staged, template = _read(where, model, optimizer, {"meta.step": 0, "meta.extra": b""})
+        metadata = integrity.verify(where)
+    staged, template = _read(where, metadata, model, optimizer, {"meta.step": 0, "meta.extra": b""})
     extra = _extra(staged["meta.extra"], str(where), allow_pickled_extra)  # before anything changes
     _apply(model, optimizer, map_leaves(template, lambda key, _: staged[key]))
     return staged["meta.step"], extra
 
 
-def _read(where: Path, model: nn.Module, optimizer, meta: dict[str, Any]) -> tuple[dict, dict]:
-    """Check the checkpoint's metadata against the model (and optimizer), then read it all into
-    scratch tensors through the allowlist: (what was read by flat key, the state's template)."""
-    metadata = SafeReader(where).read_metadata()  # raises CheckpointError, naming the file
+def _read(where: Path, metadata, model: nn.Module, optimizer, meta: dict[str, Any]) -> tuple[dict, dict]:
+    """Check the checkpoint's (verified) metadata against the model (and optimizer), then read it all
+    into scratch tensors through the allowlist: (what was read by flat key, the state's template)."""
     reshard_idle(model, "load_checkpoint")
     template = _state(model, optimizer)
     flat = {**flatten(template), **meta}
@@ -213,15 +219,19 @@ def _read(where: Path, model: nn.Module, optimizer, meta: dict[str, Any]) -> tup
     if problems:
         raise CheckpointError(format_problems(str(where), problems))
     staged = {k: torch.empty_like(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
-    _dcp_load(staged, where)
+    _dcp_load(staged, where, metadata)
     return staged, template
 
 
-def _dcp_load(staged: dict, where: Path) -> None:
-    """DCP's load into the scratch ``staged``, through the allowlist."""
+def _dcp_load(staged: dict, where: Path, metadata) -> None:
+    """DCP's load into the scratch ``staged``, through the file layer and the allowlist; a failure on any
+    rank raises on every rank, naming each failing rank's key and file."""
     try:
-        dcp.load(staged, storage_reader=SafeReader(where), planner=SafeLoadPlanner())
-    except (Exception, CheckpointException) as error:  # noqa: BLE001 - DCP's is a BaseException
+        dcp.load(staged, storage_reader=CheckedReader(where, metadata), planner=SafeLoadPlanner())
+    except CheckpointException as error:  # DCP gathered every rank's failure; a BaseException
+        failures = "\n  ".join(f"rank {rank}: {failure[0]}" for rank, failure in sorted(error.failures.items()))
+        raise CheckpointError(f"reading checkpoint {str(where)!r} failed; nothing was loaded:\n  {failures}") from None
+    except Exception as error:  # noqa: BLE001 - before DCP's collectives: the same on every rank
         raise CheckpointError(f"reading checkpoint {str(where)!r} failed; nothing was loaded: {error}") from error
 
 
@@ -235,7 +245,8 @@ def _apply(model: nn.Module, optimizer, state: dict) -> None:
 def _extra(blob: bytes, where: str, allow_pickled: bool) -> Any:
     """``extra`` from its stored bytes: torch.save's zip of plain data, or an older save's pickle."""
     if blob[:2] == b"PK":
-        return load_plain(blob, f"'meta.extra' of checkpoint {where!r}")
+        check_payload(blob, f"value 'meta.extra' (extra) of checkpoint {where!r}")
+        return load_plain(blob, f"'meta.extra' (extra) of checkpoint {where!r}")
     if not allow_pickled:
         raise CheckpointError(
             f"checkpoint {where!r} stores extra as a pickle (fsdp_compose before 0.1.1), and unpickling runs "
@@ -245,23 +256,22 @@ def _extra(blob: bytes, where: str, allow_pickled: bool) -> Any:
     return pickle.loads(blob)  # noqa: S301 - the caller's explicit opt-in for a checkpoint it trusts
 
 
-def _written_by_torch_dcp(where: Path) -> bool:
-    """No checksums and no step: torch.distributed.checkpoint.save's output, not one of ours that lost a file."""
-    if (where / integrity.MANIFEST).exists() or not (where / ".metadata").exists():
-        return False
-    return "meta.step" not in SafeReader(where).read_metadata().state_dict_metadata
+def _maybe_written_by_torch_dcp(where: Path) -> bool:
+    """Metadata and no checksums (not even a link named so): torch.distributed.checkpoint.save's output,
+    unless its metadata has our step (one of ours that lost its checksums)."""
+    return not os.path.lexists(where / integrity.MANIFEST) and os.path.lexists(where / METADATA)
 
 
-def _load_dcp(where: Path, model: nn.Module, optimizer) -> tuple[int, Any]:
+def _load_dcp(where: Path, metadata, model: nn.Module, optimizer) -> tuple[int, Any]:
     """A checkpoint torch.distributed.checkpoint.save wrote: no checksums to verify, no step or extra."""
     warnings.warn(
         f"{str(where)!r} has no {integrity.MANIFEST}: loading it as a torch.distributed.checkpoint checkpoint, "
-        "without checksums (still through the allowlist)",
+        "without checksums (still through the file checks and the allowlist)",
         stacklevel=3,
     )
     reshard_idle(model, "load_checkpoint")
     # staged copies in DCP's own layout (it keeps a list of names as one value, where ours splits it)
     staged = map_leaves(_state(model, optimizer), lambda _, v: torch.empty_like(v) if torch.is_tensor(v) else v)
-    _dcp_load(staged, where)
+    _dcp_load(staged, where, metadata)
     _apply(model, optimizer, staged)
     return 0, None
