@@ -26,6 +26,7 @@ from .runtime.schedule import (
     reshards_after_forward,
 )
 from .runtime.state import GroupState, RootState, owner_of, state_of, states_in
+from .runtime.unsharded import row_layout
 from .whole_model.model_groups import reshard_idle
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "end_backward",
     "reshards_after_forward",
     "set_gather_codec",
+    "row_layout",
     "reshard_idle",
     "DIRECT_ALL_GATHER",
     "DIRECT_REDUCE_SCATTER",

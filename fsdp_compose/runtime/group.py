@@ -40,7 +40,7 @@ class Reduction:
 
     @cached_property
     def row_bytes(self) -> int:
-        return (sum(p.padded_numel for p in self.params) + len(self.params)) * self.dtype.itemsize
+        return (sum(p.row_layout.padded_numel for p in self.params) + len(self.params)) * self.dtype.itemsize
 
 
 class PostForward(NamedTuple):
@@ -86,7 +86,7 @@ class ParamGroup:
         self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
         self.post_forward = post_forward
         self._kept: torch.Tensor | None = None
-        self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
+        self.layout = GatherLayout([w for p in params for w in p.form.widths()], self.world_size)
         self._extension_layout = False  # ``layout`` has a column per extension input (see start_unshard)
         self.stats = CommStats()
         self.is_unsharded = False
@@ -107,7 +107,7 @@ class ParamGroup:
             return
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_plan = None
-        self.layout = GatherLayout([w for p in self.params for w in p.form.widths(p)], self.world_size)
+        self.layout = GatherLayout([w for p in self.params for w in p.form.widths()], self.world_size)
         self._partial.clear()
         self._kept = None
 
@@ -132,7 +132,7 @@ class ParamGroup:
                         pieces.extend(gather_pieces(p))
                         extended = extended or p.form.extension is not None
                 if extended or self._extension_layout:  # the protocol chose this step's inputs (columns)
-                    widths = [w for p in self.params for w in p.form.widths(p)]
+                    widths = [w for p in self.params for w in p.form.widths()]
                     if widths != self.layout.sizes:
                         self.layout = GatherLayout(widths, self.world_size)
                     self._extension_layout = extended
@@ -187,13 +187,13 @@ class ParamGroup:
                 self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.form.rows(p)])
         for p in self.params:
             use(p, unsharded=False)
-            p.form.free(p)
+            p.form.free()
         self.is_unsharded = False
 
     def unsharded_nbytes(self) -> int:
         """Bytes held for unsharded use now: gathered parameters, or the post-forward slice."""
         kept = self._kept.numel() if self._kept is not None else 0
-        return kept + sum(p.form.nbytes(p) for p in self.params)
+        return kept + sum(p.form.nbytes() for p in self.params)
 
     # ----- gradients --------------------------------------------------------------------
     def start_reduce(self, all_reduce: bool = True) -> list[Callable[[], None]]:
@@ -279,9 +279,10 @@ class ParamGroup:
             reduced.div_(self._divisor(divide, reduced.dtype))
         offset = reduced.storage_offset()
         for i, p in enumerate(params):
-            if received is None or received[i] > 0:  # this rank's shard, shaped (one view op)
-                accumulate_grad(p, reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
-            offset += p.padded_numel
+            rows = p.row_layout
+            if received is None or received[i] > 0:  # this rank's rows, shaped (one view op)
+                accumulate_grad(p, reduced.as_strided(rows.comm_local_shape, rows.comm_local_strides, offset))
+            offset += rows.padded_numel
 
     def _reads_flags(self, group) -> bool:
         """Whether reductions on ``group`` read the has-gradient flags back: on gloo only (looked up once per group)."""

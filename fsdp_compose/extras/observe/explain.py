@@ -287,7 +287,7 @@ def _optimizer_bytes(states: list[GroupState], optimizer: torch.optim.Optimizer 
 def _totals(model, states, groups, optimizer_bytes, source, result) -> Totals:
     first = states[0].group
     world, replicas = first.world_size, first.dp_size // first.world_size
-    param_bytes = sum(p.shape.numel() * p.gather_element_size for s in states for p in s.group.params)
+    param_bytes = sum(p.shape.numel() * p.layout.gather_dtype.itemsize for s in states for p in s.group.params)
     sharded = sum(g.sharded_bytes for g in groups)
     managed = {id(p.sharded_param) for s in states for p in s.group.params}
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())

@@ -249,7 +249,7 @@ def replay(
             pre_backward(c.state)
         for s in grads_at.get(k, []):
             grad_bytes = sum(
-                p.unsharded_shape.numel() * p.gather_element_size for p in s.group.trainable if param_pos[id(p)] == k
+                p.row_layout.shape.numel() * p.layout.gather_dtype.itemsize for p in s.group.trainable if param_pos[id(p)] == k
             )
             live.add(("grads", s), grad_bytes, f"backward {names[s]}")
         for s in [s for s in sizes if done_at[s] == k]:

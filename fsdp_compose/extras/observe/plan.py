@@ -71,7 +71,7 @@ def _unsharded_row_bytes(p) -> int:
     format, which is dequantized into the compute dtype (the wire bytes are freed once it is)."""
     quantized = p.extension.codec is not None if p.extension is not None else p.wire is not None
     if quantized:
-        return p.padded_numel * p.gather_element_size
+        return p.row_layout.padded_numel * p.layout.gather_dtype.itemsize
     return p.gather_nbytes()
 
 
@@ -90,14 +90,14 @@ def sizes_of(state: GroupState) -> GroupSizes:
         tables.append(world * row)
         row_copies.append(
             sum(
-                world * p.padded_numel * itemsize(dtype)
+                world * p.row_layout.padded_numel * itemsize(dtype)
                 for p in params
-                if p.layout.gather_dtype != dtype or p.unsharded_shape.numel() != world * p.padded_numel
+                if p.layout.gather_dtype != dtype or p.row_layout.shape.numel() != world * p.row_layout.padded_numel
             )
         )
         outputs.append(row)
         view = all(p.dtype == dtype and not p.layout.offloaded for p in params)
-        copies.append(0 if view else sum(p.local_numel * itemsize(p.dtype) for p in params))
+        copies.append(0 if view else sum(p.row_layout.local_numel * itemsize(p.dtype) for p in params))
     return GroupSizes(
         send=send if group.params else 0,
         gathered=world * send if group.params else 0,
