@@ -213,7 +213,7 @@ def replay(
             return
         post_done.add(s)
         size = sizes[s]
-        if s.reshard_after_backward:
+        if s.settings.reshard_after_backward:
             reshard(s, after_forward=False)
         if size.reduce_tables:
             where = f"reduce-scatter {names[s]}"

@@ -80,12 +80,12 @@ def sizes_of(state: GroupState) -> GroupSizes:
     world = group.world_size
     send = sum(p.gather_nbytes() for p in group.params)
     kept = kept_gathered = 0
-    if group.post_forward is not None and state.reshard_after_forward:
+    if group.post_forward is not None and state.settings.reshard_after_forward:
         ranks = group.post_forward.ranks
         kept = sum(size * world // ranks for size in group.layout.sizes)
         kept_gathered = ranks * kept
     tables, outputs, copies, row_copies = [], [], [], []
-    for reduction in group.reduce_plan() if state.requires_gradient_sync else []:  # the runtime's own plan
+    for reduction in group.reduce_plan() if state.settings.requires_gradient_sync else []:  # the runtime's own plan
         dtype, params, row = reduction.dtype, reduction.params, reduction.row_bytes
         tables.append(world * row)
         row_copies.append(
@@ -136,7 +136,7 @@ def plan_group(
             sent += calls * regather * (regather_ranks - 1) / regather_ranks
     sent += sum(sizes.reduce_tables) * (world - 1) / world
     # HSDP (a 2-D mesh, even with one replica): one all-reduce per reduce-scatter
-    all_reduces = len(sizes.reduce_outputs) if group.replicate_group is not None and state.requires_all_reduce else 0
+    all_reduces = len(sizes.reduce_outputs) if group.replicate_group is not None and state.settings.requires_all_reduce else 0
     replicas = group.dp_size // world
     if all_reduces:
         sent += sum(sizes.reduce_outputs) * 2 * (replicas - 1) / replicas

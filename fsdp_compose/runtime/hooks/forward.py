@@ -20,6 +20,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_leaves, tree
 
 from ..refresh import follow_module
 from ..schedule import (
+    begin_step,
     forward_prefetch_targets,
     record_post_forward,
     record_pre_forward,
@@ -128,7 +129,7 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
     if state.root is None:
         lazy_init(state, module)
     root = state.root
-    policy = state.mp_policy
+    policy = state.settings.mp_policy
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         args = cast_floating(args, policy.param_dtype)
         if kwargs:
@@ -137,15 +138,7 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
         state.group.unshard()
         return args, kwargs
     if state.is_root:
-        for s in root.states:  # reductions a non-last backward left in flight
-            group = s.group
-            if group.pending_reduces:
-                group.wait_reduces()
-            event = group.comm.post_optim_event
-            if event is not None:  # set_post_optim_event: gather only after the optimizer step
-                group.comm.post_optim_event = None
-                event.wait()
-        root.reducing.clear()
+        begin_step(root)
     record_pre_forward(root, state)
     unshard_with_prefetch(state, forward_prefetch_targets(root, state))
     if torch.is_grad_enabled():
@@ -157,8 +150,8 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
 
 def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any) -> Any:
     root = state.root
-    if state.mp_policy.output_dtype is not None:
-        output = cast_floating(output, state.mp_policy.output_dtype)
+    if state.settings.mp_policy.output_dtype is not None:
+        output = cast_floating(output, state.settings.mp_policy.output_dtype)
     if root.phase == IN_BACKWARD:
         return output
     if not torch.is_grad_enabled():
