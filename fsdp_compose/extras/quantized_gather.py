@@ -45,6 +45,12 @@ class BlockQuantized:
             scaled = scaled.round_()
         return (scaled.to(self.dtype).view(-1), scales), torch.Size((rows.rows_per_rank, *outer_size[1:]))
 
+    def wire_nbytes(self, padded_numel: int) -> int:
+        """Bytes one rank sends for a shard of ``padded_numel`` elements (what ``pre`` returns): a byte per
+        element of whole blocks, and an fp32 scale per block."""
+        blocks = math.ceil(padded_numel / self.block_size)
+        return blocks * self.block_size * self.dtype.itemsize + blocks * 4
+
     def post(self, outputs, shape: torch.Size, param_dtype: torch.dtype, *, out: torch.Tensor | None = None):
         """Every rank's blocks dequantized into one (world x padded rows, ...) tensor of ``param_dtype``
         (``shape``, the metadata, is one rank's padded shard)."""

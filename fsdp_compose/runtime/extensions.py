@@ -28,7 +28,8 @@ CODEC_ATTR = "_fsdp_compose_wire"
 def set_gather_codec(param: torch.Tensor, codec: Any) -> None:
     """Send ``param`` through ``codec`` in place of its shard's own bytes (before ``fully_shard``): the one entry
     for a codec of this protocol (the quantize extra's ``BlockQuantized``). A codec has the protocol's ``pre`` and
-    ``post`` (taking the shard first), ``rebuilds(param_dtype)`` and ``requantize_into(data, scales, weight, meta)``."""
+    ``post`` (taking the shard first), ``rebuilds(param_dtype)``, ``requantize_into(data, scales, weight, meta)`` and
+    ``wire_nbytes(padded_numel)`` (what ``pre`` will send, for ``explain`` before the first gather)."""
     setattr(param, CODEC_ATTR, codec)
 
 

@@ -190,19 +190,6 @@ class ShardedParam:
             return
         self.form = GatherExtension(self, local, None if own else self.wire)
 
-    def gather_nbytes(self) -> int:
-        """Bytes this rank sends per all-gather: what the protocol sent last, or what a quantized wire
-        format will send. A subclass's own pre-all-gather may run a collective (torchao's float8
-        scales), so ``explain`` counts its shard as plain bytes until the first unshard."""
-        local = self.local_tensor()
-        fresh = self.extension is None and self.unsharded_param is None and local is not self.plain_source
-        codec_only = self.wire is not None and not has_protocol(local, f"the shard of parameter '{self.fqn}'")
-        if fresh and codec_only and local.device.type != "meta":
-            with torch.no_grad():
-                self.choose_form(local)
-                self.form.pieces(local)
-        return sum(self.form.widths())
-
     # ----- unsharded side ---------------------------------------------------------------
     def new_unsharded(self, tensor: torch.Tensor) -> None:
         """Make ``tensor`` the unsharded parameter (the module's TP DTensor around it under tensor parallel)."""
