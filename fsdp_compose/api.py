@@ -20,7 +20,7 @@ from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.params import ShardedParam
-from .runtime.placement import resolve_placement
+from .placement import resolve_placement
 from .runtime.settings import GroupSettings
 from .runtime.state import GroupState, class_name, owner_of, register_owner, register_state, state_of
 from .runtime.unsharded import use
