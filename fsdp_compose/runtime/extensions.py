@@ -147,7 +147,8 @@ class GatherExtension:
         return pad
 
     def targets(self, p) -> list[torch.Tensor]:
-        """Give the outputs storage; return (world, width) byte views with their own version counters."""
+        """Give the outputs storage; return (world, width) byte views with their own version counters (see
+        [Note: the aliasing copy-out target] in ``param_layout.py``)."""
         world, device = self.row_layout.world, self.layout.compute_device
         if not self.outputs:
             self.outputs = [

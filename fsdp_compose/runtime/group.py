@@ -227,7 +227,8 @@ class ParamGroup:
     # ----- gradients --------------------------------------------------------------------
     def start_reduce(self, all_reduce: bool = True) -> list[PendingReduce]:
         """Prepare the reduce-scatter of every trainable parameter's unsharded gradient, one per dtype, and
-        return them as records the schedule issues (``issue_reduce``; on gloo after the next handshake).
+        return them as records the schedule issues (``issue_reduce``; on gloo after the next handshake: see
+        [Note: gloo reduce-scatter deferral] in ``schedule.py``).
 
         A parameter without a gradient here sends zeros and a flag, so ranks issue the same collectives
         and one no rank had a gradient for keeps ``.grad`` as it was. HSDP with ``all_reduce=False``

@@ -135,7 +135,8 @@ def use(p, unsharded: bool) -> None:
 
 
 class Aliased:
-    """The unsharded parameter is a view of the gathered rows: no copy after copy-out."""
+    """The unsharded parameter is a view of the gathered rows: no copy after copy-out. See [Note: the
+    aliasing copy-out target] in ``param_layout.py``."""
 
     extension = None
 

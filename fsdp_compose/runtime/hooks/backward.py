@@ -98,7 +98,7 @@ class PostBackwardSignal(torch.autograd.Function):
 
 def inputs_done_hook(state: GroupState, *_grads) -> None:
     """A forward call's inputs got their gradients: ``PostBackwardSignal``'s backward, or the hook on the node
-    of a single input's identity view (``forward.signal_post_backward``)."""
+    of a single input's identity view (see [Note: the view_as signal] in ``forward.py``)."""
     if state.root.graph_only:  # a gradient-only pass over the forward graph; the step's backward comes
         return
     state.inputs_pending -= 1

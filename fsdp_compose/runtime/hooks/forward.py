@@ -85,11 +85,19 @@ def plain_tensor_args(args: object, kwargs: dict) -> bool:
     return not kwargs and type(args) is tuple and all(is_tensor_leaf(a) for a in args)
 
 
+# [Note: the view_as signal]
+# A group's post-backward (reduce its gradients, reshard) may run once every forward use of it has its
+# inputs' gradients: then no later node of the backward needs its parameters. To hear that moment, the
+# inputs of each call are routed through an identity whose backward node carries a hook. For the usual
+# single plain tensor that identity is ``x.view_as(x)`` with a hook on its ``grad_fn``: a C++ node, half
+# the cost of a Python ``autograd.Function`` (``backward.PostBackwardSignal``, used for several inputs).
+# An in-place op on the view replaces its node and loses the hook; the group's post-backward then runs at
+# the end of backward (``backward.end_of_backward``), later but still once.
+
+
 def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``tensors`` routed through autograd nodes whose backward tells ``state`` this call's inputs got
-    their gradients: one plain tensor through ``view_as`` with a hook on its node (half the cost of a
-    Python ``autograd.Function``), several through one ``PostBackwardSignal``. A view modified in
-    place loses the hook; the group's post-backward then runs at the end of backward."""
+    their gradients: see [Note: the view_as signal]."""
     state.inputs_pending += 1
     if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
         view = tensors[0].view_as(tensors[0])
