@@ -23,7 +23,7 @@ from .module_settings import share_comm_ctx
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .runtime.collectives import CollectiveError
 from .runtime.handshake import ExecutionOrderError
-from .runtime.placement import ShardPlacementResult
+from .placement import ShardPlacementResult
 from .spmd_mesh import DataParallelMeshDims
 from .whole_model.clip import clip_grad_norm_
 from .whole_model.state_dict import full_state_dict, load_full_state_dict

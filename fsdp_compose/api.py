@@ -15,13 +15,13 @@ from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .optimizer_check import install_optimizer_check, mark_ignored
 from .pipelining import install as install_pipelining
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
-from .runtime.comm_options import CommOptions
 from .runtime.group import ParamGroup, PostForward
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .runtime.param_layout import ParamPlace, resolve_layout
 from .runtime.params import ShardedParam
-from .runtime.placement import resolve_placement
+from .placement import resolve_placement
+from .runtime.settings import GroupSettings
 from .runtime.state import GroupState, class_name, owner_of, register_owner, register_state, state_of
 from .runtime.unsharded import use
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
@@ -323,9 +323,11 @@ def _build_state(
 ) -> GroupState:
     """One group of a call (the parameters on one mesh) and its state; marks its parameters as its own."""
     post_forward = None if ranks is None else PostForward(ranks, post_forward_group(mesh, ranks))
-    # CommOptions(): the process group's own collectives until set_custom_* swaps them
-    group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), CommOptions(), post_forward)
-    state = GroupState(modules=modules, group=group, **options)  # the call's options, shared by its groups
+    # the call's options, each group with its own settings; the process group's own collectives until
+    # set_custom_* swaps them
+    settings = GroupSettings(**options)
+    group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), settings, post_forward)
+    state = GroupState(modules=modules, group=group, settings=settings)
     for index, (original, sp) in enumerate(sharded.items()):
         sp.on_grad_accumulated = partial(on_grad_accumulated, state, index)  # a post-accumulate-grad hook
         use(sp, unsharded=False)

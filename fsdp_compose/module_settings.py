@@ -1,7 +1,7 @@
 """The rest of torch FSDP2's ``FSDPModule`` methods: recovery, reduction and communication settings.
 
-Mixed into ``FSDPModule``. Each method only records a setting on the group state or the
-group's ``CommOptions``; the runtime reads them where collectives are issued. Where torch's
+Mixed into ``FSDPModule``. Each method only records a setting on the group's ``GroupSettings``
+(``runtime/settings.py``); the runtime reads them where collectives are issued. Where torch's
 setting is about CUDA streams or NCCL and has no meaning on a CPU/gloo group, the method says so
 with an error rather than accepting the call and doing something else.
 """
@@ -41,10 +41,11 @@ class FSDPModuleSettings:
         return [s for _, s in states_in(self)]
 
     def _set_on_states(self, recurse: bool, **values: object) -> None:
-        """Record ``values`` (state fields) on this call's states, or with ``recurse`` on every state in the subtree."""
+        """Record ``values`` (``GroupSettings`` fields) on this call's states, or with ``recurse`` on every state
+        in the subtree."""
         for state in self._fsdp_states(recurse):
             for name, value in values.items():
-                setattr(state, name, value)
+                setattr(state.settings, name, value)
 
     def _error(self, text: str, cls: type[Exception] = ValueError) -> Exception:
         """A ``cls`` whose message names the module: ``Block.<text>``."""
@@ -84,8 +85,7 @@ class FSDPModuleSettings:
         """
         if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
             raise self._error(f"set_gradient_divide_factor({factor!r}): pass a positive finite number")
-        for state in self._fsdp_states(recurse=False):
-            state.group.comm.gradient_divide_factor = float(factor)
+        self._set_on_states(False, gradient_divide_factor=float(factor))
 
     @deprecated("Use `set_gradient_divide_factor` instead")
     def set_reduce_scatter_divide_factor(self, factor: float) -> None:
@@ -96,20 +96,19 @@ class FSDPModuleSettings:
         """Require collectives to use only ``ReduceOp.SUM`` (scaling as separate steps).
 
         fsdp_compose already does so for every dtype and backend, so ``True`` is always
-        honoured and ``False`` changes nothing; the value is recorded on the group. An
-        ``all_reduce_hook`` receives sums before the final division, as FSDP2 does here.
+        honoured and ``False`` changes nothing: nothing is recorded. An ``all_reduce_hook``
+        receives sums before the final division, as FSDP2 does here.
         """
-        for state in self._fsdp_states(recurse=False):
-            state.group.comm.force_sum_reduction = bool(enable)
+        self._fsdp_states(recurse=False)  # still refused on a module without fully_shard state
 
     def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *, recurse: bool = True) -> None:
         """Include zero gradients for parameters that got none on this rank.
 
         fsdp_compose always does (with a has-gradient flag per parameter, so a parameter no
         rank used keeps ``.grad`` unchanged), which is what makes rank-dependent control flow
-        (mixture of experts) safe; both values behave that way and are recorded.
+        (mixture of experts) safe; both values behave that way, so nothing is recorded.
         """
-        self._set_on_states(recurse, reduce_scatter_unused_params=bool(reduce_scatter_unused_params))
+        self._fsdp_states(recurse)  # still refused on a module without fully_shard state
 
     def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *, recurse: bool = True) -> None:
         """How many groups' reductions may be in flight before backward waits for the oldest.
@@ -141,14 +140,14 @@ class FSDPModuleSettings:
         """
         created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         for state in self._fsdp_states(recurse):
-            comm = state.group.comm
+            settings = state.settings
             if not enable:
-                comm.reduce_process_group = None
-            elif comm.reduce_process_group is None:
+                settings.reduce_process_group = None
+            elif settings.reduce_process_group is None:
                 ranks = tuple(dist.get_process_group_ranks(state.group.process_group))
                 if ranks not in created:
                     created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-                comm.reduce_process_group = created[ranks]
+                settings.reduce_process_group = created[ranks]
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Whether backward needs this group's unsharded parameters.
@@ -181,13 +180,13 @@ class FSDPModuleSettings:
         """``comm`` as this call's groups' ``field`` (``all_gather`` or ``reduce_scatter``)."""
         check_comm(comm, method, class_name(self))
         for state in self._fsdp_states(recurse=False):
-            if state.group.comm.pg_allocation:
+            if state.settings.pg_allocation:
                 raise self._error(
                     f"{method}: cannot be combined with "
                     "set_allocate_memory_from_process_group_for_comm(True); turn that off first"
                 )
-            setattr(state.group.comm, field, comm)
-            state.group.comm.custom = True
+            setattr(state.settings, field, comm)
+            state.settings.custom = True
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: torch.Stream | None = None) -> None:
         """Call ``hook(reduce_output)`` on each reduced gradient shard, in place, before the division.
@@ -209,7 +208,7 @@ class FSDPModuleSettings:
                 )
             hook = _on_stream(hook, stream)
         for group in groups:
-            group.comm.all_reduce_hook = hook
+            group.settings.all_reduce_hook = hook
 
     # ----- accelerator-only settings ----------------------------------------------------
     def set_post_optim_event(self, event: torch.Event) -> None:
@@ -228,7 +227,7 @@ class FSDPModuleSettings:
         if not callable(getattr(event, "wait", None)):
             raise self._error(f"set_post_optim_event: expected a torch.Event, got {type(event).__name__}", TypeError)
         for s in self._fsdp_states(recurse=False):
-            s.group.comm.post_optim_event = event
+            s.settings.post_optim_event = event
 
     def set_symm_mem_for_comm(self, backend: Literal["NCCL"] = "NCCL") -> None:
         """Allocate all-gather buffers in NCCL symmetric memory (NCCL on CUDA only).
@@ -258,17 +257,17 @@ class FSDPModuleSettings:
             self._allocate_from_process_group(state.group, enable)
 
     def _allocate_from_process_group(self, group, enable: bool) -> None:
-        comm = group.comm
-        if enable and comm.custom:
+        settings = group.settings
+        if enable and settings.custom:
             raise self._error(
                 "set_allocate_memory_from_process_group_for_comm: cannot be "
                 "combined with set_custom_all_gather / set_custom_reduce_scatter"
             )
-        if comm.pg_allocation == bool(enable):
+        if settings.pg_allocation == bool(enable):
             return
         if enable:
             all_gather = ProcessGroupAllGather(group.process_group, group.device)
-            reduce_scatter = ProcessGroupReduceScatter(comm.reduce_process_group or group.process_group, group.device)
+            reduce_scatter = ProcessGroupReduceScatter(settings.reduce_process_group or group.process_group, group.device)
             if not all_gather.supported:
                 warnings.warn(
                     f"{class_name(self)}.set_allocate_memory_from_process_group_for_comm: the "
@@ -278,7 +277,7 @@ class FSDPModuleSettings:
                 )
         else:
             all_gather, reduce_scatter = DIRECT_ALL_GATHER, DIRECT_REDUCE_SCATTER
-        comm.all_gather, comm.reduce_scatter, comm.pg_allocation = all_gather, reduce_scatter, bool(enable)
+        settings.all_gather, settings.reduce_scatter, settings.pg_allocation = all_gather, reduce_scatter, bool(enable)
 
 
 def _on_stream(hook: Callable[[torch.Tensor], None], stream: torch.Stream) -> Callable[[torch.Tensor], None]:
@@ -306,7 +305,7 @@ def share_comm_ctx(modules: list) -> None:
         if state_of(module) is None:  # a module is an FSDPModule iff it has state
             raise ValueError(f"share_comm_ctx expects a list of FSDPModules but got {type(module).__name__}")
     shared = next(
-        (s.group.comm.reduce_process_group for _, s in states_in(modules[0]) if s.group.comm.reduce_process_group),
+        (s.settings.reduce_process_group for _, s in states_in(modules[0]) if s.settings.reduce_process_group),
         None,
     )
     ranks = dist.get_process_group_ranks(state_of(modules[0]).group.process_group)
@@ -317,4 +316,4 @@ def share_comm_ctx(modules: list) -> None:
                 f"share_comm_ctx: {class_name(state.module)} shards over ranks {theirs}, the first module over "
                 f"{ranks}; only modules on the same shard ranks can share communication"
             )
-        state.group.comm.reduce_process_group = shared
+        state.settings.reduce_process_group = shared

@@ -348,3 +348,62 @@ fsdp_compose/runtime/z.py is in no layer
 fsdp_compose/runtime/y.py (layer 'runtime') imports fsdp_compose/api.py (layer 'API')
 ALLOWED_UPWARD lists fsdp_compose/runtime/x.py -> fsdp_compose/api.py, which is no upward import""",
     )
+
+
+# ----- the extras read facts, not runtime objects (issue 49) ----------------------------------------------
+# Attributes of the runtime's objects (GroupState, ParamGroup, ShardedParam, RootState, GroupSettings) that an
+# extra could reach through a handle or a parameter: the extras read ``views.group_facts`` instead, so the runtime
+# can rename them. An extra's own attributes (``self.x``) are its business.
+RUNTIME_ATTRIBUTES = frozenset(
+    {
+        "group", "settings", "root", "primary", "companions", "call_states", "root_module_state", "states",
+        "reference_forward_order", "forward_order", "post_forward_order", "reducing", "unissued", "ledgers",
+        "layout", "row_layout", "form", "extension", "wire", "tp_spec", "places", "sharded_param",
+        "unsharded_param", "accumulated_grad", "local_tensor", "shard_of", "as_shard", "refresh", "choose_form",
+        "stats", "handshakes", "post_forward", "replicate_group", "process_group", "reduce_plan", "dp_size",
+        "unsharded_nbytes", "pending_reduces", "pending_unshard", "is_unsharded", "start_unshard", "wait_unshard",
+    }
+)
+
+
+def runtime_reaches(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, attribute)`` for each read of a runtime object's attribute on anything but ``self`` (an extra's
+    own), ``torch`` (``torch.layout``) or a regular expression's match (``match.group(1)``)."""
+    match_groups = {
+        id(node.func)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "group"
+        and node.args and all(isinstance(a, ast.Constant) for a in node.args)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in RUNTIME_ATTRIBUTES and id(node) not in match_groups:
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "torch")):
+                found.append((node.lineno, node.attr))
+    return sorted(found)
+
+
+def _extras_files() -> list[Path]:
+    """The extras that could hold a runtime object: ``optim/`` imports nothing of ours (the ring test checks)."""
+    inside = sorted((PACKAGE / "extras").rglob("*.py"))
+    return inside + [p for root in EXTRA_PACKAGES for p in sorted(root.rglob("*.py"))]
+
+
+def test_extras_reach_no_runtime_internals():
+    reaches = [
+        f"{path.relative_to(REPO)}:{line}: .{attr}"
+        for path in _extras_files()
+        for line, attr in runtime_reaches(ast.parse(path.read_text()))
+    ]
+    assert reaches == [], "extras reach runtime internals; read views.group_facts instead:\n" + "\n".join(reaches)
+
+
+def test_runtime_reaches_are_found_through_any_chain_but_self():
+    tree = ast.parse(
+        "state.group.params[0].layout\nself.group.rank()\nfacts.params\nx = h.settings.mp_policy\n"
+        "torch.layout\nmatch.group(1)\nstate.group.reduce_plan()\n"
+    )
+    assert_expected_inline(
+        str(runtime_reaches(tree)),
+        """[(1, 'group'), (1, 'layout'), (4, 'settings'), (7, 'group'), (7, 'reduce_plan')]""",
+    )

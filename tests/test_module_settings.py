@@ -188,7 +188,7 @@ def _settings_parity(setting):
         elif setting == "separate":
             model.set_separate_reduce_scatter_group()
             group = state_of(model).group
-            assert group.comm.reduce_process_group not in (None, group.process_group)
+            assert group.settings.reduce_process_group not in (None, group.process_group)
 
     if setting == "unused":
         return train_against_reference(TwoExperts, shard, step_fn=_expert_step, steps=3)
@@ -223,7 +223,7 @@ def _share_comm_ctx():
     fully_shard(second)
     first.set_separate_reduce_scatter_group()
     share_comm_ctx([first, second])
-    shared = state_of(second).group.comm.reduce_process_group is state_of(first).group.comm.reduce_process_group
+    shared = state_of(second).group.settings.reduce_process_group is state_of(first).group.settings.reduce_process_group
     return {"shared": shared, "error": message(lambda: share_comm_ctx([first, nn.Linear(2, 2)]))}
 
 
@@ -352,19 +352,15 @@ def test_accelerator_settings_on_cpu_say_what_they_do(single_rank_group):
     assert block.fc1.weight.grad is not None
 
 
-# ----- every setter writes a field the state declares -------------------------------------
+# ----- every setter writes a field the settings declare ------------------------------------
 def _setters_write_declared_fields():
-    """Each setter's value lands on a field ``GroupState`` declares (``_set_on_states`` sets fields by name, so a
-    misspelt one would otherwise add a new attribute and leave the setting without effect)."""
-    import dataclasses
-
-    from fsdp_compose.runtime.state import GroupState
+    """Each setter's value lands on ``GroupSettings`` (``_set_on_states`` sets fields by name; the settings are
+    slotted, so a misspelt one raises instead of adding an attribute and leaving the setting without effect)."""
+    from fsdp_compose.runtime.settings import GroupSettings
 
     torch.manual_seed(0)
     model = TinyLM(n_blocks=2)
     shard_blocks_then_root(model)
-    declared = {f.name for f in dataclasses.fields(GroupState)}
-    before = {id(s): set(vars(s)) for _, s in states_in(model)}
     block, other = model.blocks
     block.set_requires_gradient_sync(False)
     block.set_requires_all_reduce(False)
@@ -376,27 +372,37 @@ def _setters_write_declared_fields():
     block.set_reduce_scatter_unused_params(False)
     block.set_reduce_scatter_max_input_buffers(3)
     block.set_unshard_in_backward(False)
+    block.set_gradient_divide_factor(4.0)
     state = state_of(block)
-    added = set(vars(state)) - before[id(state)]
+    settings = state.settings
     values = {
-        "requires_gradient_sync": state.requires_gradient_sync,
-        "requires_all_reduce": state.requires_all_reduce,
-        "reshard_after_backward": state.reshard_after_backward,
-        "reshard_after_forward": state.reshard_after_forward,
-        "reshard_after_forward_chosen": state.reshard_after_forward_chosen,
-        "forward_prefetch": state.forward_prefetch == state_of(other).call_states,
-        "backward_prefetch": state.backward_prefetch == state_of(other).call_states,
-        "is_last_backward": state.is_last_backward,
-        "reduce_scatter_unused_params": state.reduce_scatter_unused_params,
-        "reduce_buffers": state.reduce_buffers,
-        "unshard_in_backward": state.unshard_in_backward,
+        "requires_gradient_sync": settings.requires_gradient_sync,
+        "requires_all_reduce": settings.requires_all_reduce,
+        "reshard_after_backward": settings.reshard_after_backward,
+        "reshard_after_forward": settings.reshard_after_forward,
+        "reshard_after_forward_chosen": settings.reshard_after_forward_chosen,
+        "forward_prefetch": settings.forward_prefetch == state_of(other).call_states,
+        "backward_prefetch": settings.backward_prefetch == state_of(other).call_states,
+        "is_last_backward": settings.is_last_backward,
+        "reduce_buffers": settings.reduce_buffers,
+        "unshard_in_backward": settings.unshard_in_backward,
+        "gradient_divide_factor": settings.gradient_divide_factor,
     }
-    return {"added": sorted(added), "undeclared": sorted(set(values) - declared), "values": values}
+    try:
+        block._set_on_states(False, reshard_after_fowrard=True)
+        misspelt = None
+    except AttributeError as error:
+        misspelt = type(error).__name__
+    return {
+        "values": values,
+        "shared": settings is state.group.settings and isinstance(settings, GroupSettings),
+        "misspelt": misspelt,
+    }
 
 
-def test_setters_write_fields_the_state_declares():
+def test_setters_write_fields_the_settings_declare():
     (result,) = run_on_ranks(1, _setters_write_declared_fields)
-    assert result["added"] == [] and result["undeclared"] == []
+    assert result["shared"] and result["misspelt"] == "AttributeError"
     assert result["values"] == {
         "requires_gradient_sync": False,
         "requires_all_reduce": False,
@@ -406,7 +412,7 @@ def test_setters_write_fields_the_state_declares():
         "forward_prefetch": True,
         "backward_prefetch": True,
         "is_last_backward": False,
-        "reduce_scatter_unused_params": False,
         "reduce_buffers": 3,
         "unshard_in_backward": False,
+        "gradient_divide_factor": 4.0,
     }

@@ -83,11 +83,11 @@ def _bf16_training(grad_scale: float = 1.0):
         opt.zero_grad()
         ref_opt.zero_grad()
     stats = state_of(model.blocks[0]).group.stats
-    fp32_bytes = sum(sp.padded_numel * 4 * world_size for sp in state_of(model.blocks[0]).group.params)
+    fp32_bytes = sum(sp.row_layout.padded_numel * 4 * world_size for sp in state_of(model.blocks[0]).group.params)
     seen["gather_bytes_vs_fp32"] = stats.all_gather_bytes / stats.all_gathers / fp32_bytes
     # each reduce-scatter table: (world, padded elements + one flag per trainable param)
     group = state_of(model.blocks[0]).group
-    elements = world_size * (sum(sp.padded_numel for sp in group.trainable) + len(group.trainable))
+    elements = world_size * (sum(sp.row_layout.padded_numel for sp in group.trainable) + len(group.trainable))
     itemsize = stats.reduce_scatter_bytes / stats.reduce_scatters / elements
     seen["reduce_bytes_dtype"] = {4: "fp32", 2: "bf16"}.get(itemsize, f"{itemsize} bytes/element")
     return losses, ref_losses, {k: str(v) for k, v in seen.items()}, max(grad_diffs)

@@ -65,9 +65,9 @@ def _use_shm_sets_every_group():
     fully_shard(model[0], shard_placement_fn=lambda p: ShardPlacementResult(Shard(0), apart) if p.dim() == 1 else None)
     fully_shard(model)
     states = [*state_of(model[0]).call_states, state_of(model)]
-    before = {(s.group.comm.all_gather, s.group.comm.reduce_scatter) for s in states}
+    before = {(s.settings.all_gather, s.settings.reduce_scatter) for s in states}
     use_shm(model)
-    after = {(s.group.comm.all_gather, s.group.comm.reduce_scatter) for s in states}
+    after = {(s.settings.all_gather, s.settings.reduce_scatter) for s in states}
     gathers, scatters = shm_transport.counters.all_gathers, shm_transport.counters.reduce_scatters
     model(torch.ones(2, 4)).sum().backward()
     used = shm_transport.counters.all_gathers - gathers, shm_transport.counters.reduce_scatters - scatters
@@ -153,7 +153,7 @@ def _bitwise_against_gloo():
         fully_shard(model)  # the root group: the fp32 embedding and head, and the bf16 scale
         if transport == "shm":
             use_shm(model)
-        assert (state_of(model).group.comm.all_gather is SHM_ALL_GATHER) == (transport == "shm")
+        assert (state_of(model).group.settings.all_gather is SHM_ALL_GATHER) == (transport == "shm")
         before = shm_transport.counters.reduce_scatters
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         losses = []

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..views import states_in
+from ..views import group_facts, groups_in, write_full
 
 
 def _reset(module: nn.Module) -> None:
@@ -37,32 +37,31 @@ def init_sharded_parameters(model: nn.Module, init_fn: Callable[[nn.Module], Non
     shard's device; after ``init_fn`` this rank's rows are copied into its shard.
     """
     init_fn = init_fn or _reset
-    shards = {id(sp.sharded_param): sp for _, s in states_in(model) for sp in s.group.params}
+    shards = {id(p.parameter): p for _, group in groups_in(model) for p in group_facts(group).params}
     for module in model.modules():
         swapped = []
         for name, param in module._parameters.items():
-            sp = shards.get(id(param))
-            if sp is None:
+            p = shards.get(id(param))
+            if p is None:
                 continue
-            if sp.tp_spec is not None:
+            if p.tensor_parallel:
                 raise NotImplementedError(
-                    f"init_sharded_parameters: '{sp.fqn}' is tensor-parallel; initialize it before "
+                    f"init_sharded_parameters: '{p.fqn}' is tensor-parallel; initialize it before "
                     "parallelize_module, or with DTensor ops on a device whose RNG DTensor supports"
                 )
-            full = nn.Parameter(
-                torch.empty(sp.shape, dtype=sp.dtype, device=sp.local_tensor().device), requires_grad=sp.requires_grad
-            )
+            device = p.parameter.to_local().device
+            full = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device), requires_grad=p.requires_grad)
             module._parameters[name] = full
-            swapped.append((name, sp, full))
+            swapped.append((name, p.parameter, full))
         try:
             init_fn(module)
         except BaseException:
-            for name, sp, _ in swapped:
-                module._parameters[name] = sp.sharded_param  # shards untouched by a failed init
+            for name, shard, _ in swapped:
+                module._parameters[name] = shard  # shards untouched by a failed init
             raise
-        for name, sp, full in swapped:
-            sp.local_tensor().copy_(sp.shard_of(full))
-            module._parameters[name] = sp.sharded_param
+        for name, shard, full in swapped:
+            write_full(shard, full)
+            module._parameters[name] = shard
 
 
 @torch.no_grad()

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..views import row_layout
+
 _CHUNK_ELEMENTS = 1 << 16  # dequantized per step into the unsharded weight: 256 KiB of fp32
 
 
@@ -32,9 +34,8 @@ class BlockQuantized:
 
     def pre(self, shard: torch.Tensor, mesh, outer_size: torch.Size, outer_stride, module, mp_policy):
         """This rank's shard, padded to the padded rows, as (quantized blocks, fp32 block scales)."""
-        rows = math.ceil(outer_size[0] / mesh.size())
-        numel = rows * math.prod(outer_size[1:])
-        blocks = math.ceil(numel / self.block_size)
+        rows = row_layout(outer_size, 0, mesh.size(), 0)  # the core's rows: every rank pads to the same count
+        blocks = math.ceil(rows.padded_numel / self.block_size)
         flat = torch.zeros(blocks * self.block_size, dtype=torch.float32, device=shard.device)
         flat[: shard.numel()].copy_(shard.reshape(-1))
         flat = flat.view(blocks, self.block_size)
@@ -42,7 +43,13 @@ class BlockQuantized:
         scaled = flat.div_(scales.unsqueeze(1))
         if self.dtype == torch.int8:
             scaled = scaled.round_()
-        return (scaled.to(self.dtype).view(-1), scales), torch.Size((rows, *outer_size[1:]))
+        return (scaled.to(self.dtype).view(-1), scales), torch.Size((rows.rows_per_rank, *outer_size[1:]))
+
+    def wire_nbytes(self, padded_numel: int) -> int:
+        """Bytes one rank sends for a shard of ``padded_numel`` elements (what ``pre`` returns): a byte per
+        element of whole blocks, and an fp32 scale per block."""
+        blocks = math.ceil(padded_numel / self.block_size)
+        return blocks * self.block_size * self.dtype.itemsize + blocks * 4
 
     def post(self, outputs, shape: torch.Size, param_dtype: torch.dtype, *, out: torch.Tensor | None = None):
         """Every rank's blocks dequantized into one (world x padded rows, ...) tensor of ``param_dtype``

@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from .. import fully_shard
-from ..views import state_of
+from ..views import group_facts, group_of
 
 Overrides = dict[str, Any]
 Selection = dict[nn.Module, Overrides]
@@ -193,12 +193,12 @@ def apply_fully_shard(model: nn.Module, policy: WrapPolicy | None = None, **full
     selection = policy.select(model, ignored) if policy is not None else {}
     plan = ShardPlan(policy=repr(policy))
     for fqn, module in _post_order(model):
-        if module is not model and (module not in selection or state_of(module) is not None):
+        if module is not model and (module not in selection or group_of(module) is not None):
             continue
         overrides = selection.get(module, {})
         cls_name = type(module).__name__
         fully_shard(module, **{**fully_shard_kwargs, **overrides})
-        params = [p.sharded_param for p in state_of(module).group.params]
+        params = [p.parameter for p in group_facts(group_of(module)).params]
         plan.groups.append(
             PlannedGroup(fqn, cls_name, len(params), sum(p.numel() for p in params), overrides)
         )

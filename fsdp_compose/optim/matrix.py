@@ -32,7 +32,7 @@ from .muon import (
     newton_schulz,
     newton_schulz_work,
 )
-from .state import MOMENTUM, common_dtype, momentum_to_shards, param_indices, rows_like, shards_to_momentum
+from .state_dict import MOMENTUM, common_dtype, momentum_to_shards, param_indices, rows_like, shards_to_momentum
 
 UpdateFn = Callable[[torch.Tensor, dict[str, Any]], torch.Tensor]
 

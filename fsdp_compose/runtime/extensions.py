@@ -28,7 +28,8 @@ CODEC_ATTR = "_fsdp_compose_wire"
 def set_gather_codec(param: torch.Tensor, codec: Any) -> None:
     """Send ``param`` through ``codec`` in place of its shard's own bytes (before ``fully_shard``): the one entry
     for a codec of this protocol (the quantize extra's ``BlockQuantized``). A codec has the protocol's ``pre`` and
-    ``post`` (taking the shard first), ``rebuilds(param_dtype)`` and ``requantize_into(data, scales, weight, meta)``."""
+    ``post`` (taking the shard first), ``rebuilds(param_dtype)``, ``requantize_into(data, scales, weight, meta)`` and
+    ``wire_nbytes(padded_numel)`` (what ``pre`` will send, for ``explain`` before the first gather)."""
     setattr(param, CODEC_ATTR, codec)
 
 
@@ -74,13 +75,14 @@ class GatherExtension:
 
     def __init__(self, p, source: torch.Tensor, codec=None) -> None:
         self.source = source
+        self.row_layout, self.layout = p.row_layout, p.layout
         # a codec (``set_gather_codec``) in place of the shard's own methods
         self.codec = codec
         self.fqn = p.fqn
         # what pre-all-gather is called with: the shard mesh (1-D, as FSDP2 passes it), and in the five-argument
         # form the unsharded size and contiguous stride, the module and the mixed-precision policy
         mesh = p.mesh if p.mesh.ndim == 1 else p.mesh[p.mesh.mesh_dim_names[-1]]
-        outer = p.unsharded_shape
+        outer = p.row_layout.shape
         five = codec is not None or _arity(source, p.fqn) == 5
         self.pre_args = (mesh, outer, contiguous_strides(outer), p.places[0].module, p.mp_policy) if five else (mesh,)
         self.shapes: list[torch.Size] | None = None  # padded per-rank input shapes
@@ -100,33 +102,31 @@ class GatherExtension:
         """The protocol's state: this form itself (the other forms have ``None``)."""
         return self
 
-    # the shard's own layout: the protocol is refused on ``Shard(d > 0)`` (``check_subclass``)
-    to_comm = from_comm = staticmethod(Aliased.to_comm)
     rows = Aliased.rows  # the copy-out targets, given storage
 
-    def widths(self, p) -> list[int]:
+    def widths(self) -> list[int]:
         return self._widths
 
-    def pieces(self, p, local: torch.Tensor) -> list[torch.Tensor]:
+    def pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
         """Call pre-all-gather; return this rank's byte pieces (inputs laid out like the shard's rows are
         padded with zero rows to the padded count, so uneven shards need no self-padding subclass)."""
         self._rebuild_from = None  # a new gather: its copy-out fills the outputs
-        if local.device != p.layout.compute_device:  # CPU offload: the shard goes to the compute device first
-            local = local.to(p.layout.compute_device, non_blocking=True)
+        if local.device != self.layout.compute_device:  # CPU offload: the shard goes to the compute device first
+            local = local.to(self.layout.compute_device, non_blocking=True)
         pre = getattr(local, PRE) if self.codec is None else partial(self.codec.pre, local)
         inputs, self.metadata = pre(*self.pre_args)
         if isinstance(inputs, torch.Tensor):
             inputs = (inputs,)
-        pieces, shapes = [], []
+        pieces, shapes, rows = [], [], self.row_layout  # the protocol is refused on Shard(d > 0): rows are dim 0
         for t in inputs:
             shape = t.shape
             pieces.append(t.contiguous().view(-1).view(torch.uint8))
             # laid out like this rank's rows and short of the padded count: pad it (a codec pads itself)
-            short = len(shape) and shape[0] == p.local_rows < p.rows_per_rank and shape[1:] == p.unsharded_shape[1:]
+            short = len(shape) and shape[0] == rows.local_rows < rows.rows_per_rank and shape[1:] == rows.shape[1:]
             if short and self.codec is None:
                 row_bytes = math.prod(shape[1:]) * t.dtype.itemsize
-                pieces.append(self._zeros((p.rows_per_rank - p.local_rows) * row_bytes, t.device))
-                shape = torch.Size((p.rows_per_rank, *shape[1:]))
+                pieces.append(self._zeros((rows.rows_per_rank - rows.local_rows) * row_bytes, t.device))
+                shape = torch.Size((rows.rows_per_rank, *shape[1:]))
             shapes.append(shape)
         dtypes = [t.dtype for t in inputs]
         if self.shapes is None:
@@ -147,8 +147,9 @@ class GatherExtension:
         return pad
 
     def targets(self, p) -> list[torch.Tensor]:
-        """Give the outputs storage; return (world, width) byte views with their own version counters."""
-        world, device = p.world_size, p.layout.compute_device
+        """Give the outputs storage; return (world, width) byte views with their own version counters (see
+        [Note: the aliasing copy-out target] in ``param_layout.py``)."""
+        world, device = self.row_layout.world, self.layout.compute_device
         if not self.outputs:
             self.outputs = [
                 torch.empty(world * math.prod(s), dtype=d, device=device) for s, d in zip(self.shapes, self.dtypes)
@@ -169,7 +170,7 @@ class GatherExtension:
         (``slice_follows``: a ``reshard_after_forward=<int>`` slice is cut from what was gathered)."""
         outputs = tuple(out.view(-1, *s[1:]) for out, s in zip(self.outputs, self.shapes))
         post = getattr(self.source, POST) if self.codec is None else self.codec.post
-        param_dtype, unsharded = p.layout.gather_dtype, p.unsharded_param
+        param_dtype, unsharded = self.layout.gather_dtype, p.unsharded_param
         if unsharded is not None:
             # storage for what post-all-gather refreshes, given here: parameters are posted one at a
             # time, so one's outputs are freed before the next one's tensors take their room
@@ -189,7 +190,8 @@ class GatherExtension:
                 if storage._cdata not in known:
                     known.add(storage._cdata)
                     self.freed.append((storage, storage.nbytes()))
-            p.new_unsharded(torch.as_strided(unsharded, p.unsharded_shape, contiguous_strides(p.unsharded_shape), 0))
+            shape = self.row_layout.shape
+            p.new_unsharded(torch.as_strided(unsharded, shape, contiguous_strides(shape), 0))
         self._release_after_post(unsharded, param_dtype, slice_follows)
 
     def _release_after_post(self, weight: torch.Tensor, param_dtype: torch.dtype, slice_follows: bool) -> None:
@@ -205,14 +207,14 @@ class GatherExtension:
             self.outputs[0].untyped_storage().resize_(0)
             self._rebuild_from = weight
 
-    def free(self, p) -> None:
+    def free(self) -> None:
         self._rebuild_from = None
         for out in self.outputs:
             out.untyped_storage().resize_(0)
         for storage, _ in self.freed:
             storage.resize_(0)
 
-    def nbytes(self, p) -> int:
+    def nbytes(self) -> int:
         return sum(out.untyped_storage().nbytes() for out in self.outputs) + sum(s.nbytes() for s, _ in self.freed)
 
 
@@ -258,9 +260,10 @@ def shard_subclass(full: torch.Tensor, p) -> torch.Tensor:
     """``p``'s (a ``ShardedParam``'s) ``torch.chunk`` of a tensor subclass copied into ``new_zeros`` (FSDP2's
     operators, all NF4 has), moved where shards live (a meta shard, before ``to_empty``, keeps ``full``'s device)."""
     try:
-        chunks = torch.chunk(full.detach(), p.world_size, dim=p.shard_dim)
-        piece = chunks[p.rank] if p.rank < len(chunks) else None
-        local = full.new_zeros(p.local_shape) if piece is None else piece.new_zeros(piece.shape)
+        rows = p.row_layout
+        chunks = torch.chunk(full.detach(), rows.world, dim=rows.shard_dim)
+        piece = chunks[rows.rank] if rows.rank < len(chunks) else None
+        local = full.new_zeros(rows.local_shape) if piece is None else piece.new_zeros(piece.shape)
         if piece is not None:
             local.copy_(piece)
         device = p.layout.storage_device
@@ -270,7 +273,7 @@ def shard_subclass(full: torch.Tensor, p) -> torch.Tensor:
         raise ValueError(
             f"parameter '{p.fqn}' is a {type(full).__name__}, which cannot be sharded: "
             f"{type(error).__name__}: {error}. Sharding a tensor subclass needs torch.chunk on dim "
-            f"{p.shard_dim}, new_zeros and copy_ (as in torch's FSDP2); pass it in ignored_params "
+            f"{p.row_layout.shard_dim}, new_zeros and copy_ (as in torch's FSDP2); pass it in ignored_params "
             "to leave it unsharded"
         ) from error
     return local

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property, partial
 from typing import NamedTuple
@@ -22,10 +21,10 @@ from .collectives import (
     labelled,
     reduce_scatter_rows,
 )
-from .comm_options import CommOptions
 from .handshake import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes
 from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
+from .settings import GroupSettings
 from .uids import new_uid
 from .unsharded import gather_pieces, outside_transforms, use
 
@@ -40,7 +39,37 @@ class Reduction:
 
     @cached_property
     def row_bytes(self) -> int:
-        return (sum(p.padded_numel for p in self.params) + len(self.params)) * self.dtype.itemsize
+        return (sum(p.row_layout.padded_numel for p in self.params) + len(self.params)) * self.dtype.itemsize
+
+
+def divide_factors(dtype: torch.dtype, world: int, dp_size: int, factor: float | None) -> tuple[float, float]:
+    """What a reduction divides the gradients by before the sum and after it, ``(pre, post)``: ``factor``
+    (``set_gradient_divide_factor``) or else the data-parallel size ``dp_size``, in all. The collectives
+    only ever sum. 2-byte dtypes divide first, so the sum cannot overflow: by ``factor`` when one was set,
+    else by the shard ``world`` (the HSDP replicas' part follows the all-reduce); wider ones divide once,
+    after. ``explain`` shows the same figures (``views.group_facts``)."""
+    total = dp_size if factor is None else factor
+    if dtype.itemsize >= 4:
+        return 1, float(total)
+    pre = world if factor is None else factor
+    return pre, total / pre
+
+
+@dataclass(eq=False)
+class PendingReduce:
+    """One reduce-scatter ``ParamGroup.start_reduce`` prepared and the schedule issues (``issue_reduce``):
+    its parameters, every rank's rows of them (and the has-gradient flags), and what its result needs."""
+
+    params: tuple[ShardedParam, ...]
+    rows: list[torch.Tensor]  # (world, padded) per parameter, then the flag rows; emptied when issued
+    process_group: object
+    pre_divide: float  # divide the rows before the sum (``divide_factors``; the flags too: they stay > 0)
+    post_divide: float  # divide the sum after; 1 for nothing
+    all_reduce: bool  # HSDP: all-reduce across replicas now (else keep partial sums)
+    # add every reduced shard without reading the summed flags (this rank sent every gradient, or off gloo,
+    # where the read is a host sync: a parameter no rank had a gradient for then gets zeros instead of
+    # keeping ``.grad``)
+    accumulate_all: bool
 
 
 class PostForward(NamedTuple):
@@ -60,7 +89,7 @@ class ParamGroup:
         mesh: DeviceMesh,
         device: torch.device,
         class_name: str,
-        comm: CommOptions,
+        settings: GroupSettings,
         post_forward: PostForward | None = None,
     ) -> None:
         self.class_name = class_name  # the user's class of the call's first module
@@ -86,13 +115,13 @@ class ParamGroup:
         self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
         self.post_forward = post_forward
         self._kept: torch.Tensor | None = None
-        self.layout = GatherLayout([p.padded_numel * p.gather_element_size for p in params], self.world_size)
+        self.layout = GatherLayout([w for p in params for w in p.form.widths()], self.world_size)
         self._extension_layout = False  # ``layout`` has a column per extension input (see start_unshard)
         self.stats = CommStats()
         self.is_unsharded = False
         self.pending_unshard: PendingCollective | None = None
         self.pending_reduces: list[PendingCollective] = []
-        self.comm = comm
+        self.settings = settings
 
     def refresh(self, replaced: dict[ShardedParam, tuple] | None = None) -> None:
         """Re-read the parameters after ``refresh.follow_module``: their shards' device (deferred init
@@ -107,7 +136,7 @@ class ParamGroup:
             return
         self.trainable = [p for p in self.params if p.requires_grad]
         self._reduce_plan = None
-        self.layout = GatherLayout([w for p in self.params for w in p.form.widths(p)], self.world_size)
+        self.layout = GatherLayout([w for p in self.params for w in p.form.widths()], self.world_size)
         self._partial.clear()
         self._kept = None
 
@@ -133,7 +162,7 @@ class ParamGroup:
                         pieces.extend(gather_pieces(p))
                         extended = extended or p.form.extension is not None
                 if extended or self._extension_layout:  # the protocol chose this step's inputs (columns)
-                    widths = [w for p in self.params for w in p.form.widths(p)]
+                    widths = [w for p in self.params for w in p.form.widths()]
                     if widths != self.layout.sizes:
                         self.layout = GatherLayout(widths, self.world_size)
                     self._extension_layout = extended
@@ -141,7 +170,7 @@ class ParamGroup:
             self.handshakes.check(ALL_GATHER, layout.total, group)
             with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                 work, gathered = all_gather_flat(
-                    pieces, layout, group, self.stats, self.comm.all_gather, rank, layout.total
+                    pieces, layout, group, self.stats, self.settings.all_gather, rank, layout.total
                 )
         finish = partial(self._finish_unshard, gathered, layout, rows)
         self.pending_unshard = PendingCollective(work, finish, name=lambda: f"the all-gather of {self.label}")
@@ -190,29 +219,27 @@ class ParamGroup:
                 self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.form.rows(p)])
         for p in self.params:
             use(p, unsharded=False)
-            p.form.free(p)
+            p.form.free()
         self.is_unsharded = False
 
     def unsharded_nbytes(self) -> int:
         """Bytes held for unsharded use now: gathered parameters, or the post-forward slice."""
         kept = self._kept.numel() if self._kept is not None else 0
-        return kept + sum(p.form.nbytes(p) for p in self.params)
+        return kept + sum(p.form.nbytes() for p in self.params)
 
     # ----- gradients --------------------------------------------------------------------
-    def start_reduce(self, all_reduce: bool = True) -> list[Callable[[], None]]:
+    def start_reduce(self, all_reduce: bool = True) -> list[PendingReduce]:
         """Prepare the reduce-scatter of every trainable parameter's unsharded gradient, one per dtype, and
-        return the calls that issue them: the schedule issues them (on gloo after the next handshake).
+        return them as records the schedule issues (``issue_reduce``; on gloo after the next handshake: see
+        [Note: gloo reduce-scatter deferral] in ``schedule.py``).
 
         A parameter without a gradient here sends zeros and a flag, so ranks issue the same collectives
         and one no rank had a gradient for keeps ``.grad`` as it was. HSDP with ``all_reduce=False``
         keeps partial sums for the next all-reduced reduction.
         """
-        issues = []
-        comm = self.comm
-        group = comm.reduce_process_group or self.process_group
-        factor = comm.gradient_divide_factor or self.dp_size
-        # low precision: divide before summing so the sum cannot overflow (flags stay > 0)
-        low_precision_divide = self.world_size if comm.gradient_divide_factor is None else factor
+        reductions = []
+        settings = self.settings
+        group = settings.reduce_process_group or self.process_group
         with grad_off():
             for reduction in self.reduce_plan():
                 dtype, params = reduction.dtype, reduction.params
@@ -225,12 +252,11 @@ class ParamGroup:
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
                 all_present = all(present)
                 rows.append(self._flag_rows(dtype, present, all_present))
-                pre_divide = 1 if dtype.itemsize >= 4 else low_precision_divide
+                pre, post = divide_factors(dtype, self.world_size, self.dp_size, settings.gradient_divide_factor)
                 accumulate_all = all_present or not self._reads_flags(group)
-                finish = partial(self._finish_reduce, params, factor / pre_divide, all_reduce, accumulate_all)
                 self.handshakes.check(REDUCE_SCATTER, reduction.row_bytes, group)
-                issues.append(partial(self._issue_reduce_scatter, rows, group, pre_divide, finish))
-        return issues
+                reductions.append(PendingReduce(params, rows, group, pre, post, all_reduce, accumulate_all))
+        return reductions
 
     def reduce_plan(self) -> list[Reduction]:
         """The group's reduce-scatters: one per reduce dtype of its trainable parameters."""
@@ -241,10 +267,15 @@ class ParamGroup:
             self._reduce_plan = [Reduction(dtype, tuple(params)) for dtype, params in by_dtype.items()]
         return self._reduce_plan
 
-    def _issue_reduce_scatter(self, rows: list, group, pre_divide: float, finish: Callable) -> None:
+    def issue_reduce(self, reduce: PendingReduce) -> None:
+        """Issue a reduce-scatter ``start_reduce`` prepared; its rows are dropped once copied into the table."""
+        rows, reduce.rows = reduce.rows, []
         with grad_off(), labelled("reduce_scatter", self):  # copies the rows into one table, then issues
-            work, reduced = reduce_scatter_rows(rows, group, self.stats, pre_divide, self.comm.reduce_scatter)
-        pending = PendingCollective(work, partial(finish, reduced), name=lambda: f"the reduce-scatter of {self.label}")
+            work, reduced = reduce_scatter_rows(
+                rows, reduce.process_group, self.stats, reduce.pre_divide, self.settings.reduce_scatter
+            )
+        finish = partial(self._finish_reduce, reduce, reduced)
+        pending = PendingCollective(work, finish, name=lambda: f"the reduce-scatter of {self.label}")
         self.pending_reduces.append(pending)
 
     def _flag_rows(self, dtype: torch.dtype, present: list[bool], all_present: bool) -> torch.Tensor:
@@ -258,33 +289,30 @@ class ParamGroup:
             self._all_present[dtype] = flags
         return flags
 
-    def _finish_reduce(
-        self, params: list[ShardedParam], divide: float, all_reduce: bool, accumulate_all: bool, reduced: torch.Tensor
-    ) -> None:
-        """``divide``: what the (pre-divided) sum is still divided by, 1 for nothing. ``accumulate_all``: add
-        every reduced shard without reading the summed flags (this rank sent every gradient, or off gloo,
-        where the read is a host sync: a parameter no rank had a gradient for then gets zeros instead of
-        keeping ``.grad``)."""
+    def _finish_reduce(self, reduce: PendingReduce, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced rows into each parameter's sharded ``.grad`` (after the HSDP all-reduce)."""
+        params, divide = reduce.params, reduce.post_divide
         if self.replicate_group is not None:
             earlier = self._partial.pop(reduced.dtype, None)
             if earlier is not None:
                 reduced.add_(earlier)
-            if not all_reduce:
+            if not reduce.all_reduce:
                 self._partial[reduced.dtype] = reduced
                 return
             with labelled("all_reduce", self):
                 self.handshakes.check(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
-        received = None if accumulate_all else reduced[-len(params) :].tolist()
-        if self.comm.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
-            self.comm.all_reduce_hook(reduced[: -len(params)])
+        received = None if reduce.accumulate_all else reduced[-len(params) :].tolist()
+        if self.settings.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
+            self.settings.all_reduce_hook(reduced[: -len(params)])
         if divide != 1:
             reduced.div_(self._divisor(divide, reduced.dtype))
         offset = reduced.storage_offset()
         for i, p in enumerate(params):
-            if received is None or received[i] > 0:  # this rank's shard, shaped (one view op)
-                accumulate_grad(p, reduced.as_strided(p.comm_local_shape, p.comm_local_strides, offset))
-            offset += p.padded_numel
+            rows = p.row_layout
+            if received is None or received[i] > 0:  # this rank's rows, shaped (one view op)
+                accumulate_grad(p, reduced.as_strided(rows.comm_local_shape, rows.comm_local_strides, offset))
+            offset += rows.padded_numel
 
     def _reads_flags(self, group) -> bool:
         """Whether reductions on ``group`` read the has-gradient flags back: on gloo only (looked up once per group)."""

@@ -256,7 +256,8 @@ class Handshakes:
     def check(self, kind: int, nbytes: int, group) -> None:
         """Log this collective before it is issued. On gloo the round closes at once (``ExecutionOrderError``
         on every rank unless all agree), except after a reduce-scatter: the schedule issues it once the next
-        round on its process group closed (``Ledgers.flush``), which then covers both."""
+        round on its process group closed (``Ledgers.flush``), which then covers both. See [Note: gloo
+        reduce-scatter deferral] in ``schedule.py``."""
         if kind not in self.on_gloo:  # checked on no backend
             return
         key = (kind, nbytes, group)

@@ -58,26 +58,18 @@ def clear_unsharded_grad(p: ShardedParam) -> None:
 
 
 def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None) -> torch.Tensor:
-    """The unsharded gradient as (world, padded_numel) in the reduce dtype, zero-filled."""
-    dtype, world = p.layout.reduce_dtype, p.world_size
+    """The unsharded gradient as (world, padded_numel) in the reduce dtype, zero-padded (``RowLayout.pad_rows``)."""
+    rows, dtype = p.row_layout, p.layout.reduce_dtype
     if grad is None:
-        return torch.zeros(world, p.padded_numel, dtype=dtype, device=p.layout.compute_device)
-    if p.shard_dim:
-        grad = p.form.to_comm(grad)
-    missing = world * p.padded_numel - grad.numel()
-    if not missing and grad.dtype == dtype:  # the usual case: one view, no copy
-        return grad.reshape(world, p.padded_numel)
-    flat = grad.reshape(-1).to(dtype)
-    if missing:  # one op: a zeros tensor and a cat wrote the padding twice
-        flat = torch.constant_pad_nd(flat, (0, missing))
-    return flat.view(world, p.padded_numel)
+        return torch.zeros(rows.world, rows.padded_numel, dtype=dtype, device=p.layout.compute_device)
+    return rows.pad_rows(rows.to_comm(grad).to(dtype))
 
 
 def accumulate_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
     """Add this rank's reduced gradient shard (laid out for the collective: ``comm_local_shape``)
     into the sharded ``.grad``, in the parameter's own dtype and on its storage device."""
-    if p.shard_dim:  # else the collective's layout is the shard's
-        local_grad = p.form.from_comm(local_grad).contiguous()
+    if p.row_layout.shard_dim:  # else the collective's layout is the shard's
+        local_grad = p.row_layout.from_comm(local_grad).contiguous()
     current = p.sharded_param.grad
     if current is None:
         local_grad = local_grad.to(p.layout.storage_device, p.dtype, non_blocking=True)  # no copy where both match

@@ -48,9 +48,18 @@ def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
+# [Note: the aliasing copy-out target]
+# The unsharded parameter is one object for the life of the group: autograd saves it in forward, and its
+# storage is freed on reshard (``resize_(0)``) and given back on the next unshard, so a backward re-gather
+# fills the very tensor autograd saved. Copy-out writes through a second tensor over the same storage
+# (``alias``), with a version counter of its own: writing through the parameter itself would bump the
+# version autograd recorded and fail its saved-tensor check. ``unsharded.Aliased`` copies out straight
+# into such a target; ``Staged`` and the extension protocol's outputs use the same trick.
+
+
 def alias(storage_owner: torch.Tensor, shape, strides) -> torch.Tensor:
-    """A tensor over ``storage_owner``'s storage with its own version counter: copy-out through it does
-    not bump the version of the unsharded parameter autograd saved."""
+    """A tensor over ``storage_owner``'s storage with its own version counter. See [Note: the aliasing
+    copy-out target]."""
     out = torch.empty(0, dtype=storage_owner.dtype, device=storage_owner.device)
     return out.set_(storage_owner.untyped_storage(), 0, shape, strides)
 

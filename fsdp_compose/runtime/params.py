@@ -7,8 +7,6 @@ reshard, so autograd's saved references to it see fresh data after a re-unshard 
 from __future__ import annotations
 
 import dataclasses
-import math
-from functools import partial
 
 import torch
 from torch import nn
@@ -26,13 +24,12 @@ from .extensions import (
     shard_subclass,
 )
 from .param_layout import ParamLayout, ParamPlace, contiguous_strides, spmd_layout
-from .unsharded import Aliased, Staged, use
+from .unsharded import Aliased, Staged, row_layout, use
 
 
 class ShardedParam:
-    """Rows ``[rank * rows_per_rank, ...)`` of one parameter (slices of ``shard_dim``), and the means to
-    rebuild it. Shards follow ``torch.chunk``, as DTensor's ``Shard`` does (tail shards may be short or
-    empty); collectives pad them to ``rows_per_rank`` rows so every rank sends the same size."""
+    """This rank's rows of one parameter (``row_layout``: which rows, and how collectives pad them), and the
+    means to rebuild it."""
 
     def __init__(
         self,
@@ -61,27 +58,13 @@ class ShardedParam:
         self.dp_dims = dp_dims
         source = param._local_tensor if self.tp_spec is not None else param
         spmd_mesh, placements = spmd or spmd_layout(mesh, param, fqn, shard_dim)
-        # the last mesh dim shards; a leading (HSDP) dim replicates
-        self.world_size = mesh.size(mesh.ndim - 1)
-        self.rank = mesh.get_local_rank(mesh.ndim - 1)
-        self.shard_dim = shard_dim  # the tensor dim split across ranks ("rows" below are slices of it)
+        # the last mesh dim shards; a leading (HSDP) dim replicates. Rows are slices of ``shard_dim`` of what
+        # the module sees (global, or TP-local under TP)
+        world, rank = mesh.size(mesh.ndim - 1), mesh.get_local_rank(mesh.ndim - 1)
+        self.row_layout = row_layout(source.shape, shard_dim, world, rank)
         self.shape = param.shape  # global shape
-        self.unsharded_shape = source.shape  # what the module sees: global, or TP-local under TP
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
-        size = source.shape[shard_dim]
-        others = source.shape[:shard_dim] + source.shape[shard_dim + 1 :]  # the dims of one row
-        self.rows_per_rank = math.ceil(size / self.world_size)
-        self.padded_numel = self.rows_per_rank * math.prod(others)
-        # this rank's rows (slices of shard_dim) of the unsharded tensor: ``local_rows`` from ``row_start``
-        self.row_start = min(self.rank * self.rows_per_rank, size)
-        self.local_rows = min(self.row_start + self.rows_per_rank, size) - self.row_start
-        self.local_numel = self.local_rows * math.prod(others)
-        self.local_shape = torch.Size((*source.shape[:shard_dim], self.local_rows, *source.shape[shard_dim + 1 :]))
-        # the same with the shard dim first: how collectives lay the parameter out
-        self.comm_shape = torch.Size((size, *others))
-        self.comm_local_shape = torch.Size((self.local_rows, *others))
-        self.comm_local_strides = contiguous_strides(self.comm_local_shape)
         self.mp_policy = mp_policy  # passed to the all-gather extension protocol's five-argument form
         # a codec from ``set_gather_codec`` (the quantize extra's wire format), sent through the same protocol
         self.wire = gather_codec_of(param)
@@ -91,19 +74,21 @@ class ShardedParam:
         self.sharded_param = nn.Parameter(shard, requires_grad=param.requires_grad)
         # called with the unsharded parameter after autograd accumulated its gradient
         self.on_grad_accumulated = None
-        # the storage of the unsharded form for a shard without the extension protocol (``unsharded.py``)
-        self._plain_form = partial(Staged, shard_dim) if shard_dim else Aliased
         self._forget_built()
 
     def _forget_built(self) -> None:
         """Drop what was built for the shard and its gather dtype; the next unshard builds it anew."""
         self.unsharded_param: nn.Parameter | None = None
-        self._padding = self.zeros(self.padded_numel - self.local_numel)
         # no-sync micro-batches: the unsharded gradient summed in the reduce dtype (``param_grad.stash_grad``)
         self.accumulated_grad: torch.Tensor | None = None
         # where the unsharded form lives: plain, staged, or the extension protocol's (``unsharded.py``)
         self.form: Aliased | Staged | GatherExtension = self._plain_form()
-        self._plain_source: torch.Tensor | None = None  # a local shard known not to implement the protocol
+        self.plain_source: torch.Tensor | None = None  # a local shard known not to implement the protocol
+
+    def _plain_form(self) -> Aliased | Staged:
+        """The storage of the unsharded form for a shard without the extension protocol (``unsharded.py``)."""
+        kind = Staged if self.row_layout.shard_dim else Aliased
+        return kind(self.row_layout, self.layout)
 
     @property
     def extension(self) -> GatherExtension | None:
@@ -122,7 +107,7 @@ class ShardedParam:
                 tp_mesh, tp_placements = self.tp_spec.mesh, self.tp_spec.placements
                 full = distribute_tensor(full.detach(), tp_mesh, tp_placements, src_data_rank=None)._local_tensor
         if not is_wrapper_subclass(full):
-            return self.placed(full.detach().narrow(self.shard_dim, self.row_start, self.local_rows))
+            return self.placed(self.row_layout.shard_of(full.detach()))
         local = shard_subclass(full, self)
         return local.pin_memory() if self.layout.pin_memory and local.device.type == "cpu" else local
 
@@ -141,7 +126,7 @@ class ShardedParam:
         if isinstance(value, DTensor) and value.device_mesh == target.device_mesh:
             local, storage = value._local_tensor, self.layout.storage_device
             if tuple(value.placements) == tuple(target.placements):
-                ours = (storage.type == "meta" or local.device == storage) and local.shape == self.local_shape
+                ours = (storage.type == "meta" or local.device == storage) and local.shape == self.row_layout.local_shape
                 if ours and local.is_contiguous():
                     return value
                 local = self.placed(local)
@@ -152,14 +137,6 @@ class ShardedParam:
         return DTensor.from_local(
             local, target.device_mesh, target.placements, run_check=False, shape=self.shape, stride=target.stride()
         )
-
-    def zeros(self, numel: int) -> torch.Tensor:
-        """Zeros where and as the unsharded parameter lives: the compute device, the gather dtype."""
-        return torch.zeros(numel, dtype=self.layout.gather_dtype, device=self.layout.compute_device)
-
-    @property
-    def gather_element_size(self) -> int:
-        return self.layout.gather_dtype.itemsize
 
     # ----- sharded side -----------------------------------------------------------------
     def local_tensor(self) -> torch.Tensor:
@@ -205,33 +182,13 @@ class ShardedParam:
         protocol = own or self.wire is not None
         if self.form.extension is not None or (protocol and self.unsharded_param is not None):
             # the unsharded parameter was built for another shard object: build it anew
-            self.form.free(self)
+            self.form.free()
             self.unsharded_param, self.form = None, self._plain_form()
         if not protocol:
             refuse_without_protocol(local, self.fqn)
-            self._plain_source = local
+            self.plain_source = local
             return
         self.form = GatherExtension(self, local, None if own else self.wire)
-
-    def gather_nbytes(self) -> int:
-        """Bytes this rank sends per all-gather: what the protocol sent last, or what a quantized wire
-        format will send. A subclass's own pre-all-gather may run a collective (torchao's float8
-        scales), so ``explain`` counts its shard as plain bytes until the first unshard."""
-        local = self.local_tensor()
-        fresh = self.extension is None and self.unsharded_param is None and local is not self._plain_source
-        codec_only = self.wire is not None and not has_protocol(local, f"the shard of parameter '{self.fqn}'")
-        if fresh and codec_only and local.device.type != "meta":
-            with torch.no_grad():
-                self.choose_form(local)
-                self.form.pieces(self, local)
-        return sum(self.form.widths(self))
-
-    def as_pieces(self, local: torch.Tensor) -> list[torch.Tensor]:
-        """A plain shard's bytes, then the zero padding up to the padded row count."""
-        pieces = [local.reshape(-1).view(torch.uint8)]
-        if self._padding.numel():
-            pieces.append(self._padding.view(torch.uint8))
-        return pieces
 
     # ----- unsharded side ---------------------------------------------------------------
     def new_unsharded(self, tensor: torch.Tensor) -> None:

@@ -40,7 +40,7 @@ def follow_module(state: GroupState) -> None:
         # also where nothing changed: a swap (``_apply``) moved the mark to the discarded object
         register_owner(held, state)
         if held is not p.sharded_param or held.dtype != p.dtype or held.requires_grad != p.requires_grad:
-            gather_dtype, reduce_dtype = collective_dtypes(held.dtype, state.mp_policy)
+            gather_dtype, reduce_dtype = collective_dtypes(held.dtype, state.settings.mp_policy)
             replaced[p] = held, dataclasses.replace(p.layout, gather_dtype=gather_dtype, reduce_dtype=reduce_dtype)
     group.refresh(replaced)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterable
 
+from .group import PendingReduce
 from .state import AFTER_BACKWARD, IDLE, STEP_FORWARD, GroupState, RootState
 
 
@@ -19,7 +20,7 @@ def reshards_after_forward(state: GroupState, is_root: bool | None = None) -> bo
     Backward needs the root's parameters first, so by default it keeps them gathered.
     """
     is_root = state.is_root if is_root is None else is_root
-    return bool(state.reshard_after_forward) and (state.reshard_after_forward_chosen or not is_root)
+    return bool(state.settings.reshard_after_forward) and (state.settings.reshard_after_forward_chosen or not is_root)
 
 
 def reset_backward(state: GroupState) -> None:
@@ -42,8 +43,8 @@ def record_post_forward(root: RootState, state: GroupState) -> None:
 
 
 def forward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupState]:
-    if state.forward_prefetch is not None:
-        return state.forward_prefetch
+    if state.settings.forward_prefetch is not None:
+        return state.settings.forward_prefetch
     index = root.reference_index.get(state)
     if index is None:
         return []
@@ -51,8 +52,8 @@ def forward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupSt
 
 
 def backward_prefetch_targets(root: RootState, state: GroupState) -> list[GroupState]:
-    if state.backward_prefetch is not None:
-        return state.backward_prefetch
+    if state.settings.backward_prefetch is not None:
+        return state.settings.backward_prefetch
     index = root.post_forward_index.get(state)
     if index is None:
         return []
@@ -75,7 +76,7 @@ def release_held(root: RootState, always: bool = False) -> None:
     for state in root.states:
         if state.held_by_graph:
             state.held_by_graph = False
-            if always or state.reshard_after_backward:
+            if always or state.settings.reshard_after_backward:
                 state.group.reshard()
 
 
@@ -124,29 +125,58 @@ def _name(order: list[GroupState], index: int) -> str:
     return order[index].group.label if index < len(order) else "<end>"
 
 
-def queue_reductions(root: RootState, state: GroupState, issues: list) -> None:
+def queue_reductions(root: RootState, state: GroupState, reductions: list[PendingReduce]) -> None:
     """Issue ``state``'s reduce-scatters now, or, while a gloo round holds logged ones, after it closes: the
-    next all-gather's handshake (``issue_reductions`` follows it) or the end of backward covers them."""
-    root.unissued.append((state, issues))
+    next all-gather's handshake (``issue_reductions`` follows it) or the end of backward covers them.
+    See [Note: gloo reduce-scatter deferral]."""
+    root.unissued.append((state, reductions))
     if not root.ledgers.awaiting():
         issue_reductions(root, flush=False)  # no round to close: no second scan of the ledgers
 
 
+# [Note: gloo reduce-scatter deferral]
+# On gloo each collective is logged in its process group's ledger (``handshake.py``) and the round is closed,
+# an agreement among the ranks, before the collective is issued: ranks that disagree raise
+# ``ExecutionOrderError`` instead of hanging inside it. A reduce-scatter's round is left open, so that the next
+# handshake on its process group (the next all-gather's, or ``Ledgers.flush`` at the end of backward) covers
+# both in one agreement; until that round closes, the reduce-scatter waits here in ``root.unissued``. Off gloo
+# the rounds close at the end of backward and reduce-scatters are issued at once.
+
+
 def issue_reductions(root: RootState, flush: bool = True) -> None:
     """Close the rounds the queued reduce-scatters were logged in (gloo), issue them, and wait for the oldest
-    reductions beyond the limit (it bounds their memory)."""
+    reductions beyond the limit (it bounds their memory). See [Note: gloo reduce-scatter deferral]."""
     if not root.unissued:
         return
     if flush:
         root.ledgers.flush()
     queued, root.unissued = root.unissued, []
-    for state, issues in queued:
-        for issue in issues:
-            issue()
+    for state, reductions in queued:
+        for reduction in reductions:
+            state.group.issue_reduce(reduction)
         root.reducing.append(state)
-        limit = state.reduce_buffers or root.reduce_limit
+        limit = state.settings.reduce_buffers or root.reduce_limit
         while len(root.reducing) > limit:
             root.reducing.pop(0).group.wait_reduces()
+
+
+def wait_all_reductions(root: RootState) -> None:
+    """Finish every group's reductions in flight (most finished long ago)."""
+    for state in root.states:
+        if state.group.pending_reduces:
+            state.group.wait_reduces()
+    root.reducing.clear()
+
+
+def begin_step(root: RootState) -> None:
+    """At the root's forward: finish the reductions a non-last backward left in flight, and wait for the
+    events ``set_post_optim_event`` gave (each once: the next step needs a new one)."""
+    wait_all_reductions(root)
+    for state in root.states:
+        event = state.settings.post_optim_event
+        if event is not None:  # gather only after the optimizer step
+            state.settings.post_optim_event = None
+            event.wait()
 
 
 def unshard_with_prefetch(state: GroupState, targets: list[GroupState]) -> None:

@@ -12,9 +12,9 @@ from enum import IntEnum
 
 from torch import nn
 
-from ..policies import MixedPrecisionPolicy
 from .group import ParamGroup
 from .handshake import Ledgers
+from .settings import GroupSettings
 
 
 class StepPhase(IntEnum):
@@ -44,27 +44,13 @@ STEP_FORWARD, IN_BACKWARD, AFTER_BACKWARD = RootPhase
 
 @dataclass(eq=False)
 class GroupState:
-    """Per-call state: the group, its options, and this step's backward bookkeeping."""
+    """Per-call state: the group, its settings, and this step's backward bookkeeping."""
 
     modules: list[nn.Module]  # every module of the call (a list for fully_shard([a, b]))
     group: ParamGroup
-    reshard_after_forward: bool
-    # the user chose reshard_after_forward (in fully_shard or set_reshard_after_forward): the
-    # root then follows it too, as in torch's FSDP2; by default the root keeps its parameters
-    reshard_after_forward_chosen: bool = False
-    reshard_after_backward: bool = True
-    requires_gradient_sync: bool = True
-    requires_all_reduce: bool = True
-    is_last_backward: bool = True
-    unshard_in_backward: bool = True  # False: backward never needs the unsharded values (embedding)
-    reduce_scatter_unused_params: bool = False  # recorded; unused parameters are always reduced as zeros
-    reduce_buffers: int | None = None  # reductions in flight before waiting; None: the root's reduce_limit
-    mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
+    settings: GroupSettings  # the group's too (``group.settings``): fully_shard's options and the setters'
     root: RootState | None = None
     is_root: bool = False  # the root module's state (or one of its companions); set by lazy init
-    # explicit prefetch targets (None: follow the recorded order)
-    forward_prefetch: list[GroupState] | None = None
-    backward_prefetch: list[GroupState] | None = None
     # per step, reset by the root's end-of-backward callback
     phase: StepPhase = IDLE
     inputs_pending: int = 0  # forward uses whose inputs' gradients backward has not reached yet
@@ -98,7 +84,6 @@ class GroupState:
     def call_states(self) -> list[GroupState]:
         """Every state of this ``fully_shard`` call: this one and its companions (one per mesh)."""
         return [self, *self.companions]
-
 
 
 @dataclass(eq=False)

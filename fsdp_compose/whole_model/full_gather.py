@@ -11,8 +11,6 @@ gathers those, one collective each."""
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -57,13 +55,12 @@ def _gather_bytes(
     dtypes = [_value_dtype(p, as_module) for p in params]
     pieces, widths = [], []
     for p, dtype in zip(params, dtypes):
-        local = p.form.to_comm(p.local_tensor()).reshape(-1).to(p.layout.compute_device, dtype)
-        pad = p.padded_numel - p.local_numel
-        pieces.append((torch.cat([local, local.new_zeros(pad)]) if pad else local).view(torch.uint8))
+        local = p.row_layout.to_comm(p.local_tensor()).to(p.layout.compute_device, dtype)
+        pieces.append(p.row_layout.pad(local).view(torch.uint8))
         widths.append(pieces[-1].numel())
     first = params[0]
     pg = first.mesh.get_group(first.mesh.ndim - 1)
-    world = first.world_size
+    world = first.row_layout.world
     if to_all:
         work, out = all_gather_flat(pieces, GatherLayout(widths, world), pg, CommStats())
         work.wait()
@@ -80,7 +77,7 @@ def _gather_bytes(
     result, offset = [], 0
     for p, dtype, width in zip(params, dtypes, widths):
         padded = torch.cat([row[offset : offset + width] for row in rows]).view(dtype)
-        full = p.form.from_comm(padded[: math.prod(p.comm_shape)].view(p.comm_shape)).contiguous()
+        full = p.row_layout.from_comm(p.row_layout.unpad(padded)).contiguous()
         if p.tp_spec is not None:
             full = DTensor(full, p.tp_spec, requires_grad=False)
             full = full if as_module else full.full_tensor()

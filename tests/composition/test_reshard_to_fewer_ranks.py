@@ -14,7 +14,7 @@ def _parity(ranks):
     model = TinyLM()
     shard_blocks_then_root(model, reshard_after_forward=ranks)
     group = state_of(model.blocks[0]).group
-    full_bytes = sum(p.world_size * p.padded_numel * 4 for p in group.params)
+    full_bytes = sum(p.row_layout.world * p.row_layout.padded_numel * 4 for p in group.params)
     ids = torch.randint(0, 37, (2, 6))
     loss = lm_loss(model, ids)
     result["kept_after_forward"] = group.unsharded_nbytes() / full_bytes

@@ -63,7 +63,7 @@ def _compare(case: str) -> dict:
                 tp_local = distribute_tensor(value, p.tp_spec.mesh, p.tp_spec.placements, src_data_rank=None)
                 same = same and torch.equal(p.shard_of(tp_local), ours)
             out["params"] += 1
-            if not same or ours.shape != p.local_shape:
+            if not same or ours.shape != p.row_layout.local_shape:
                 out["differ"].append(p.fqn)
     return out
 

@@ -1,7 +1,7 @@
 """``explain(model)``: the sharding plan of a model, its traffic and its predicted memory.
 
-Reads only local state (``GroupState``, ``ParamGroup``, ``ShardedParam``), so every rank can
-call it at any time without communicating; ``sample_batch`` is the exception (it runs one
+Reads only local facts (``views.group_facts``), so every rank can call it at any time without
+communicating; ``sample_batch`` is the exception (it runs one
 forward/backward, which every rank must do together).
 """
 
@@ -15,7 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...views import GroupState, backward_prefetch_targets, forward_prefetch_targets, state_of, states_in
+from ...views import (
+    GroupFacts,
+    GroupHandle,
+    ScratchSchedule,
+    group_facts,
+    group_of,
+    groups_in,
+    recorded_order,
+    root_of,
+    unsharded_bytes,
+)
 from . import memory, plan
 from .plan import GroupPlan
 from .storage import StorageTracker
@@ -133,11 +143,7 @@ def collective_bytes(model: nn.Module) -> int:
     """Bytes counted by every group's collectives so far (all-gather outputs, reduce-scatter
     inputs, all-reduce tensors; the convention of ``explain``'s ``bytes_per_step``). Local, no
     communication: the difference across a step is that step's traffic."""
-    total = 0
-    for _, state in states_in(model):
-        stats = state.group.stats
-        total += stats.all_gather_bytes + stats.reduce_scatter_bytes + stats.all_reduce_bytes
-    return total
+    return sum(nbytes for _, handle in groups_in(model) for _, nbytes in group_facts(handle).traffic.values())
 
 
 def fmt_bytes(n: int | None) -> str:
@@ -172,75 +178,72 @@ def explain(
 
     ``str(result)`` is the table; ``result.to_dict()`` is JSON-able.
     """
-    found = states_in(model)
+    found = groups_in(model)
     if not found:
         raise ValueError(
             f"explain({type(model).__name__}): no fully_shard group in this module; "
             f"call fully_shard first"
         )
     states = [s for _, s in found]
-    root_of = _roots(model, states)
-    roots = set(root_of.values())
-    root = states[0].root
-    prefetch_limit, reduce_limit = plan.limits(root)
+    facts = {s: group_facts(s) for s in states}
+    roots_of = _roots(model, facts)
+    roots = set(roots_of.values())
+    first = facts[states[0]]
     names_by_module = plan.module_names(model)
-    names = {s: plan.group_name(s, names_by_module) for s in states}
-    calls, param_pos = memory.forward_calls(model, states)
-    orders: dict[GroupState, list[GroupState]] = {r: [] for r in roots}  # forward order under each root
+    names = {s: plan.group_name(g, names_by_module) for s, g in facts.items()}
+    calls, param_pos = memory.forward_calls(model, list(facts.values()))
+    orders: dict[GroupHandle, list[GroupHandle]] = {r: [] for r in roots}  # forward order under each root
     for c in calls:
-        if c.state not in orders[root_of[c.state]]:
-            orders[root_of[c.state]].append(c.state)
+        if c.state not in orders[roots_of[c.state]]:
+            orders[roots_of[c.state]].append(c.state)
     for r in roots:
-        if r.root is not None and r.root.reference_forward_order:
-            orders[r] = [s for s in r.root.reference_forward_order if s in names]
+        recorded = recorded_order(r)
+        if recorded:
+            orders[r] = [s for s in recorded if s in names]
 
-    sizes = {s: plan.sizes_of(s) for s in states}
-    held = _backend(states[0]) != "gloo"
-    schedules = memory.schedules_after_first_step(root_of, orders, prefetch_limit)
-    result = memory.replay(calls, param_pos, sizes, names, roots, schedules, reduce_limit, held)
-    groups = [
-        plan.plan_group(
-            s,
-            names[s],
-            (s.primary or s) in roots,
-            [names[t] for t in forward_prefetch_targets(schedules[s], s)],
-            [names[t] for t in backward_prefetch_targets(schedules[s], s)],
+    sizes = {s: plan.sizes_of(g) for s, g in facts.items()}
+    held = first.backend != "gloo"
+    schedules = memory.schedules_after_first_step(roots_of, orders, first.prefetch_limit)
+    result = memory.replay(calls, param_pos, sizes, names, roots, schedules, first.reduce_limit, facts, held)
+    groups = []
+    for s, g in facts.items():
+        is_root = g.call[0] in roots
+        groups.append(
+            plan.plan_group(
+                g,
+                names[s],
+                ScratchSchedule.reshards_after_forward(s, is_root),
+                is_root,
+                [names[t] for t in schedules[s].forward_targets(s)],
+                [names[t] for t in schedules[s].backward_targets(s)],
+            )
         )
-        for s in states
-    ]
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-    counted = [_optimizer_bytes(states, opt) for opt in optimizers]
+    counted = [_optimizer_bytes(list(facts.values()), opt) for opt in optimizers]
     optimizer_bytes, source = sum(n for n, _ in counted), " + ".join(src for _, src in counted)
-    totals = _totals(model, states, groups, optimizer_bytes, source, result)
+    totals = _totals(model, list(facts.values()), groups, optimizer_bytes, source, result)
     totals.optimizer_collectives, totals.optimizer_collective_bytes = _optimizer_collectives(optimizers)
-    explanation = Explanation(groups, totals, _notes(root))
+    explanation = Explanation(groups, totals, _notes(recorded_order(states[0])))
     if sample_batch is not None:
         _measure(model, sample_batch, loss_fn, explanation)
     return explanation
 
 
-def _backend(state: GroupState) -> str:
-    try:
-        return str(torch.distributed.get_backend(state.group.process_group))
-    except (RuntimeError, ValueError):
-        return "unknown"
-
-
-def _roots(model: nn.Module, states: list[GroupState]) -> dict[GroupState, GroupState]:
+def _roots(model: nn.Module, facts: dict[GroupHandle, GroupFacts]) -> dict[GroupHandle, GroupHandle]:
     """Each group's root: the one lazy init chose, or before it, the outermost group above it
     (the first forward of a group with no root makes it the root of its subtree)."""
-    wanted = set(states)
-    root_of: dict[GroupState, GroupState] = {}
-    stack: list[tuple[nn.Module, GroupState | None]] = [(model, None)]
+    roots: dict[GroupHandle, GroupHandle] = {}
+    stack: list[tuple[nn.Module, GroupHandle | None]] = [(model, None)]
     while stack:
         module, above = stack.pop()
-        state = state_of(module)
-        if state in wanted:
-            above = above or state
-            for s in state.call_states:  # a call's groups on other meshes share its root
-                root_of.setdefault(s, state.root.root_module_state if state.root is not None else above)
+        handle = group_of(module)
+        if handle in facts:
+            above = above or handle
+            chosen = root_of(handle)
+            for s in facts[handle].call:  # a call's groups on other meshes share its root
+                roots.setdefault(s, chosen if chosen is not None else above)
         stack.extend((child, above) for child in reversed(list(module.children())))
-    return root_of
+    return roots
 
 
 def _optimizer_collectives(optimizers: list[Any]) -> tuple[int, int]:
@@ -254,12 +257,12 @@ def _optimizer_collectives(optimizers: list[Any]) -> tuple[int, int]:
     return calls, nbytes
 
 
-def _optimizer_bytes(states: list[GroupState], optimizer: torch.optim.Optimizer | None) -> tuple[int, str]:
+def _optimizer_bytes(groups: list[GroupFacts], optimizer: torch.optim.Optimizer | None) -> tuple[int, str]:
     owned = getattr(optimizer, "owned_state_bytes", None)
     if callable(owned):  # whole-matrix owners: the state this rank holds is not its shards' share
         return owned(), f"{type(optimizer).__name__}: {'measured' if optimizer.state else 'planned'}, owned matrices"
-    params = [p for s in states for p in s.group.trainable]
-    local_bytes = {id(p.sharded_param): p.local_tensor().numel() * p.local_tensor().element_size() for p in params}
+    params = [p for g in groups for p in g.trainable]
+    local_bytes = {id(p.parameter): p.local_bytes for p in params}
     if optimizer is not None and optimizer.state:
         total = 0
         for param, param_state in optimizer.state.items():
@@ -284,12 +287,11 @@ def _optimizer_bytes(states: list[GroupState], optimizer: torch.optim.Optimizer 
     return total, f"{name} assumed" if known else f"{name}: 2 states per parameter assumed"
 
 
-def _totals(model, states, groups, optimizer_bytes, source, result) -> Totals:
-    first = states[0].group
-    world, replicas = first.world_size, first.dp_size // first.world_size
-    param_bytes = sum(p.shape.numel() * p.gather_element_size for s in states for p in s.group.params)
+def _totals(model, facts: list[GroupFacts], groups, optimizer_bytes, source, result) -> Totals:
+    world, replicas = facts[0].world, facts[0].replicas
+    param_bytes = sum(p.shape.numel() * p.gather_dtype.itemsize for f in facts for p in f.params)
     sharded = sum(g.sharded_bytes for g in groups)
-    managed = {id(p.sharded_param) for s in states for p in s.group.params}
+    managed = {id(p.parameter) for f in facts for p in f.params}
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     unmanaged = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in managed)
     static = sharded + unmanaged + buffers + optimizer_bytes
@@ -317,8 +319,8 @@ def _totals(model, states, groups, optimizer_bytes, source, result) -> Totals:
     )
 
 
-def _notes(root) -> list[str]:
-    if root is None or not root.reference_forward_order:
+def _notes(recorded: list) -> list[str]:
+    if not recorded:
         return ["(before the first step: order and prefetch follow module definition order; "
                 "the first step records the real order)"]
     return []
@@ -331,16 +333,16 @@ def _measure(model: nn.Module, batch: Any, loss_fn, explanation: Explanation) ->
     saved = [p.grad for p in params]
     for p in params:
         p.grad = None
-    states = [s for _, s in states_in(model)]
+    handles = [s for _, s in groups_in(model)]
     tracker = StorageTracker()
     tracker.track(params)
     tracker.track(b for b in model.buffers())
     try:
         with tracker:
-            unsharded_before = sum(s.group.unsharded_nbytes() for s in states)
+            unsharded_before = unsharded_bytes(handles)
             before = tracker.current
             loss = loss_fn(model, batch)
-            unsharded = sum(s.group.unsharded_nbytes() for s in states) - unsharded_before
+            unsharded = unsharded_bytes(handles) - unsharded_before
             activations = max(0, tracker.current - before - unsharded)
             loss.backward()
             del loss

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...views import states_in
+from ...views import group_facts, groups_in, unsharded_parameters
 from .explain import explain
 from .timeline import UNLABELLED, CollectiveTimeline
 
@@ -60,13 +60,8 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 def traffic(model: nn.Module) -> dict[str, list[int]]:
     """Calls and bytes so far per collective kind, summed over the model's groups."""
     out = {"all-gather": [0, 0], "reduce-scatter": [0, 0], "all-reduce": [0, 0]}
-    for _, state in states_in(model):
-        s = state.group.stats
-        for kind, calls, nbytes in (
-            ("all-gather", s.all_gathers, s.all_gather_bytes),
-            ("reduce-scatter", s.reduce_scatters, s.reduce_scatter_bytes),
-            ("all-reduce", s.all_reduces, s.all_reduce_bytes),
-        ):
+    for _, handle in groups_in(model):
+        for kind, (calls, nbytes) in group_facts(handle).traffic.items():
             out[kind][0] += calls
             out[kind][1] += nbytes
     return out
@@ -107,13 +102,11 @@ def measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, h
     timeline.label(list(model.parameters()) + list(model.buffers()), PARAMETERS)
     timeline.label(_optimizer_tensors(optimizer), OPTIMIZER_STATE)
     handles = []
-    for _, state in states_in(model):
-        for p in state.group.params:
-            if p.unsharded_param is None:
-                continue
-            timeline.label([p.unsharded_param], UNSHARDED_PARAMETERS)
-            if p.unsharded_param.requires_grad:  # a pre-hook: sees the gradient before the runtime reduces it
-                handles.append(p.unsharded_param.register_hook(lambda g: timeline.label([g], UNSHARDED_GRADIENTS)))
+    for _, group in groups_in(model):
+        for unsharded in unsharded_parameters(group):
+            timeline.label([unsharded], UNSHARDED_PARAMETERS)
+            if unsharded.requires_grad:  # a pre-hook: sees the gradient before the runtime reduces it
+                handles.append(unsharded.register_hook(lambda g: timeline.label([g], UNSHARDED_GRADIENTS)))
     before = traffic(model)
     try:
         with timeline:

@@ -20,16 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ...views import (
-    GroupState,
-    RootState,
-    backward_prefetch_targets,
-    end_backward,
-    forward_prefetch_targets,
-    record_post_forward,
-    record_pre_forward,
-    reshards_after_forward,
-)
+from ...views import GroupFacts, GroupHandle, ScratchSchedule
 from .plan import GroupSizes
 
 
@@ -37,7 +28,7 @@ from .plan import GroupSizes
 class Call:
     """One forward call of a group's module: its index in ``named_modules`` and its subtree's last."""
 
-    state: GroupState
+    state: GroupHandle
     start: int
     end: int
 
@@ -49,8 +40,8 @@ class Replay:
     after_backward: int  # sharded gradients left for the optimizer step
 
 
-def forward_calls(model: nn.Module, states: list[GroupState]) -> tuple[list[Call], dict]:
-    """Calls in definition order, and each parameter's position (its module's index)."""
+def forward_calls(model: nn.Module, groups: list[GroupFacts]) -> tuple[list[Call], dict]:
+    """Calls in definition order, and each parameter's position (its module's index), by ``id`` of the parameter."""
     modules = list(model.modules())  # named_modules order, duplicates removed
     index = {m: i for i, m in enumerate(modules)}
     ends, stack = {}, []  # each module's last descendant, from the path depth
@@ -62,34 +53,31 @@ def forward_calls(model: nn.Module, states: list[GroupState]) -> tuple[list[Call
     for m, _ in stack:
         ends[m] = len(modules) - 1
     calls = []
-    for state in states:
-        for m in state.modules:
+    for g in groups:
+        for m in g.modules:
             if m in index:
-                calls.append(Call(state, index[m], ends[m]))
+                calls.append(Call(g.handle, index[m], ends[m]))
     calls.sort(key=lambda c: c.start)
     param_pos = {}
-    for state in states:
-        for p in state.group.trainable:
-            positions = [index[place.module] for place in p.places if place.module in index]
-            param_pos[id(p)] = max(positions) if positions else 0
+    for g in groups:
+        for p in g.trainable:
+            positions = [index[m] for m in p.modules if m in index]
+            param_pos[id(p.parameter)] = max(positions) if positions else 0
     return calls, param_pos
 
 
 def schedules_after_first_step(
-    root_of: dict[GroupState, GroupState], orders: dict[GroupState, list[GroupState]], prefetch_limit: int
-) -> dict[GroupState, RootState]:
-    """Each group's schedule: a scratch ``RootState`` per root whose first step ran ``orders[root]``.
+    root_of: dict[GroupHandle, GroupHandle], orders: dict[GroupHandle, list[GroupHandle]], prefetch_limit: int
+) -> dict[GroupHandle, ScratchSchedule]:
+    """Each group's schedule: a scratch one per root whose first step ran ``orders[root]``.
 
-    The runtime's own schedule functions (``runtime/schedule.py``, through ``views.py``) then record the replayed step
-    and give its prefetch targets, so the replay cannot drift from what training does.
+    The runtime's own schedule functions (``views.ScratchSchedule``) then record the replayed step and give
+    its prefetch targets, so the replay cannot drift from what training does.
     """
-    by_root = {}
-    for root, order in orders.items():
-        schedule = by_root[root] = RootState(root, [s for s, r in root_of.items() if r is root])
-        schedule.prefetch_limit = prefetch_limit
-        for s in order:
-            record_pre_forward(schedule, s)
-        end_backward(schedule)  # the reference order; the replay's first record ends the first step
+    by_root = {
+        root: ScratchSchedule(root, [s for s, r in root_of.items() if r is root], order, prefetch_limit)
+        for root, order in orders.items()
+    }
     return {s: by_root[r] for s, r in root_of.items()}
 
 
@@ -115,11 +103,12 @@ class _Live:
 def replay(
     calls: list[Call],
     param_pos: dict[int, int],
-    sizes: dict[GroupState, GroupSizes],
-    names: dict[GroupState, str],
-    roots: set[GroupState],
-    schedules: dict[GroupState, RootState],
+    sizes: dict[GroupHandle, GroupSizes],
+    names: dict[GroupHandle, str],
+    roots: set[GroupHandle],
+    schedules: dict[GroupHandle, ScratchSchedule],
     reduce_limit: int,
+    facts: dict[GroupHandle, GroupFacts],
     reduce_input_held: bool = True,
 ) -> Replay:
     """Replay a step on byte counts; ``schedules`` (``schedules_after_first_step``) records it.
@@ -127,12 +116,12 @@ def replay(
     ``reduce_input_held``: the backend keeps the reduce-scatter input until the wait (NCCL);
     gloo copies it when the collective is issued, so the input dies at once."""
     live = _Live()
-    unsharded: set[GroupState] = set()
-    pending: set[GroupState] = set()
-    kept: set[GroupState] = set()
+    unsharded: set[GroupHandle] = set()
+    pending: set[GroupHandle] = set()
+    kept: set[GroupHandle] = set()
 
-    def start(s: GroupState) -> None:
-        if s in unsharded or s in pending or not s.group.params:
+    def start(s: GroupHandle) -> None:
+        if s in unsharded or s in pending or not facts[s].params:
             return
         size = sizes[s]
         if s in kept:  # re-gather from the slice kept after forward
@@ -142,7 +131,7 @@ def replay(
             live.add(("gathered", s), size.gathered, "")
         pending.add(s)
 
-    def wait(s: GroupState, where: str) -> None:
+    def wait(s: GroupHandle, where: str) -> None:
         if s not in pending:
             return
         pending.discard(s)
@@ -151,7 +140,7 @@ def replay(
             live.drop((kind, s))
         unsharded.add(s)
 
-    def reshard(s: GroupState, after_forward: bool) -> None:
+    def reshard(s: GroupHandle, after_forward: bool) -> None:
         if s not in unsharded:
             return
         if after_forward and sizes[s].kept:
@@ -160,7 +149,7 @@ def replay(
         live.drop(("unsharded", s))
         unsharded.discard(s)
 
-    def unshard_with_prefetch(s: GroupState, targets: list[GroupState], where: str) -> None:
+    def unshard_with_prefetch(s: GroupHandle, targets: list[GroupHandle], where: str) -> None:
         start(s)
         wait(s, where)
         for t in targets:
@@ -171,49 +160,48 @@ def replay(
 
     def post_forward(call: Call) -> None:
         s = call.state
-        record_post_forward(schedules[s], s)
-        if reshards_after_forward(s, (s.primary or s) in roots):
+        schedules[s].after_forward(s)
+        if ScratchSchedule.reshards_after_forward(s, facts[s].call[0] in roots):
             reshard(s, after_forward=True)
 
     for call in calls:
         while open_calls and open_calls[-1].end < call.start:
             post_forward(open_calls.pop())
         s = call.state
-        record_pre_forward(schedules[s], s)
-        unshard_with_prefetch(s, forward_prefetch_targets(schedules[s], s), f"forward {names[s]}")
+        unshard_with_prefetch(s, schedules[s].before_forward(s), f"forward {names[s]}")
         open_calls.append(call)
     while open_calls:
         post_forward(open_calls.pop())
 
     # ----- backward -----------------------------------------------------------------------
-    reducing: list[tuple[GroupState, int]] = []
-    pre_done: set[GroupState] = set()
-    post_done: set[GroupState] = set()
-    done_at: dict[GroupState, int] = {}
+    reducing: list[GroupHandle] = []
+    pre_done: set[GroupHandle] = set()
+    post_done: set[GroupHandle] = set()
+    done_at: dict[GroupHandle, int] = {}
     for s in sizes:
-        positions = [param_pos[id(p)] for p in s.group.trainable]
+        positions = [param_pos[id(p.parameter)] for p in facts[s].trainable]
         starts = [c.start for c in calls if c.state is s]
         done_at[s] = min(positions) if positions else min(starts, default=0)
 
-    def pre_backward(s: GroupState) -> None:
+    def pre_backward(s: GroupHandle) -> None:
         if s in pre_done:
             return
         pre_done.add(s)
-        unshard_with_prefetch(s, backward_prefetch_targets(schedules[s], s), f"backward {names[s]}")
+        unshard_with_prefetch(s, schedules[s].backward_targets(s), f"backward {names[s]}")
 
-    def finish_reduce(s: GroupState, i: int) -> None:
+    def finish_reduce(s: GroupHandle, i: int) -> None:
         live.drop(("table", s, i))
         copy = sizes[s].sharded_grad_copies[i]
         if copy:
             live.add(("sharded_grad", s, i), copy, "")
             live.drop(("output", s, i))
 
-    def post_backward(s: GroupState) -> None:
+    def post_backward(s: GroupHandle) -> None:
         if s in post_done:
             return
         post_done.add(s)
         size = sizes[s]
-        if s.reshard_after_backward:
+        if facts[s].reshard_after_backward:
             reshard(s, after_forward=False)
         if size.reduce_tables:
             where = f"reduce-scatter {names[s]}"
@@ -238,10 +226,10 @@ def replay(
     by_end: dict[int, list[Call]] = {}
     for c in calls:
         by_end.setdefault(c.end, []).append(c)
-    grads_at: dict[int, list[GroupState]] = {}
+    grads_at: dict[int, list[GroupHandle]] = {}
     for s in sizes:
-        for p in s.group.trainable:
-            at = grads_at.setdefault(param_pos[id(p)], [])
+        for p in facts[s].trainable:
+            at = grads_at.setdefault(param_pos[id(p.parameter)], [])
             if s not in at:
                 at.append(s)
     for k in range(last, -1, -1):
@@ -249,7 +237,9 @@ def replay(
             pre_backward(c.state)
         for s in grads_at.get(k, []):
             grad_bytes = sum(
-                p.unsharded_shape.numel() * p.gather_element_size for p in s.group.trainable if param_pos[id(p)] == k
+                p.unsharded_shape.numel() * p.gather_dtype.itemsize
+                for p in facts[s].trainable
+                if param_pos[id(p.parameter)] == k
             )
             live.add(("grads", s), grad_bytes, f"backward {names[s]}")
         for s in [s for s in sizes if done_at[s] == k]:

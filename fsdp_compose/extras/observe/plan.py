@@ -1,4 +1,4 @@
-"""What one group costs per step, read from its runtime state: sizes, collectives, prefetch.
+"""What one group costs per step, computed from its facts (``views.group_facts``): sizes, collectives, prefetch.
 
 Every figure mirrors the code that moves the bytes (``ParamGroup.start_unshard``,
 ``start_reduce``, ``collectives.py``), so predicted bytes equal what ``CommStats`` counts.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...views import GroupState, RootState, reshards_after_forward
+from ...views import GroupFacts, ParamFacts
 
 
 @dataclass
@@ -57,51 +57,49 @@ def module_names(model: nn.Module) -> dict[nn.Module, str]:
     return {m: name for name, m in model.named_modules(remove_duplicate=False)}
 
 
-def group_name(state: GroupState, names: dict[nn.Module, str]) -> str:
-    found = [names.get(m, "?") or "<root>" for m in state.modules]
-    return ", ".join(found) + state.mesh_text
+def group_name(g: GroupFacts, names: dict[nn.Module, str]) -> str:
+    found = [names.get(m, "?") or "<root>" for m in g.modules]
+    return ", ".join(found) + g.mesh_text
 
 
 def itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _unsharded_row_bytes(p) -> int:
+def _unsharded_row_bytes(p: ParamFacts) -> int:
     """One rank's share of the unsharded parameter: what it gathers, except for a quantized wire
     format, which is dequantized into the compute dtype (the wire bytes are freed once it is)."""
-    quantized = p.extension.codec is not None if p.extension is not None else p.wire is not None
-    if quantized:
-        return p.padded_numel * p.gather_element_size
-    return p.gather_nbytes()
+    if p.quantized:
+        return p.padded_numel * p.gather_dtype.itemsize
+    return p.gather_bytes
 
 
-def sizes_of(state: GroupState) -> GroupSizes:
-    group = state.group
-    world = group.world_size
-    send = sum(p.gather_nbytes() for p in group.params)
+def sizes_of(g: GroupFacts) -> GroupSizes:
+    world = g.world
+    send = sum(p.gather_bytes for p in g.params)
     kept = kept_gathered = 0
-    if group.post_forward is not None and state.reshard_after_forward:
-        ranks = group.post_forward.ranks
-        kept = sum(size * world // ranks for size in group.layout.sizes)
+    if g.post_forward_ranks is not None and g.reshard_after_forward:
+        ranks = g.post_forward_ranks
+        kept = sum(size * world // ranks for size in g.gather_widths)
         kept_gathered = ranks * kept
     tables, outputs, copies, row_copies = [], [], [], []
-    for reduction in group.reduce_plan() if state.requires_gradient_sync else []:  # the runtime's own plan
+    for reduction in g.reductions if g.requires_gradient_sync else ():  # the runtime's own plan
         dtype, params, row = reduction.dtype, reduction.params, reduction.row_bytes
         tables.append(world * row)
         row_copies.append(
             sum(
                 world * p.padded_numel * itemsize(dtype)
                 for p in params
-                if p.layout.gather_dtype != dtype or p.unsharded_shape.numel() != world * p.padded_numel
+                if p.gather_dtype != dtype or p.unsharded_shape.numel() != world * p.padded_numel
             )
         )
         outputs.append(row)
-        view = all(p.dtype == dtype and not p.layout.offloaded for p in params)
+        view = all(p.dtype == dtype and not p.offloaded for p in params)
         copies.append(0 if view else sum(p.local_numel * itemsize(p.dtype) for p in params))
     return GroupSizes(
-        send=send if group.params else 0,
-        gathered=world * send if group.params else 0,
-        unsharded=sum(world * _unsharded_row_bytes(p) for p in group.params),
+        send=send if g.params else 0,
+        gathered=world * send if g.params else 0,
+        unsharded=sum(world * _unsharded_row_bytes(p) for p in g.params),
         kept=kept,
         kept_gathered=kept_gathered,
         row_copies=row_copies,
@@ -112,43 +110,43 @@ def sizes_of(state: GroupState) -> GroupSizes:
 
 
 def plan_group(
-    state: GroupState,
+    g: GroupFacts,
     name: str,
+    reshards: bool,
     is_root: bool,
     forward_prefetch: list[str],
     backward_prefetch: list[str],
 ) -> GroupPlan:
-    group, sizes = state.group, sizes_of(state)
-    calls = len(state.modules)
-    reshards = reshards_after_forward(state, is_root)
-    world = group.world_size
+    """``reshards``: whether the group frees its parameters after forward (the schedule's rule)."""
+    sizes = sizes_of(g)
+    calls = len(g.modules)
+    world = g.world
     gathers = gather_bytes = 0
     sent = 0.0
-    if group.params:
+    if g.params:
         # forward: the first call gathers; later calls of a group resharded after forward gather again
         gathers, gather_bytes = 1, sizes.gathered
         sent = sizes.gathered * (world - 1) / world
         regather = sizes.kept_gathered if sizes.kept else sizes.gathered
-        regather_ranks = group.post_forward.ranks if sizes.kept else world
+        regather_ranks = g.post_forward_ranks if sizes.kept else world
         if reshards:
             gathers += calls  # calls - 1 more in forward, one in backward
             gather_bytes += calls * regather
             sent += calls * regather * (regather_ranks - 1) / regather_ranks
     sent += sum(sizes.reduce_tables) * (world - 1) / world
     # HSDP (a 2-D mesh, even with one replica): one all-reduce per reduce-scatter
-    all_reduces = len(sizes.reduce_outputs) if group.replicate_group is not None and state.requires_all_reduce else 0
-    replicas = group.dp_size // world
+    all_reduces = len(sizes.reduce_outputs) if g.hsdp and g.requires_all_reduce else 0
+    replicas = g.replicas
     if all_reduces:
         sent += sum(sizes.reduce_outputs) * 2 * (replicas - 1) / replicas
-    offload = any(p.layout.offloaded for p in group.params)
     reshard: bool | int = reshards
-    if reshards and state.group.post_forward is not None:
-        reshard = group.post_forward.ranks
+    if reshards and g.post_forward_ranks is not None:
+        reshard = g.post_forward_ranks
     return GroupPlan(
         name=name,
-        params=sum(p.shape.numel() for p in group.params),
-        dtypes=_dtypes(state),
-        sharded_bytes=sum(p.local_tensor().numel() * p.local_tensor().element_size() for p in group.params),
+        params=sum(p.shape.numel() for p in g.params),
+        dtypes=_dtypes(g),
+        sharded_bytes=sum(p.local_bytes for p in g.params),
         unsharded_bytes=sizes.unsharded,
         all_gathers=gathers,
         all_gather_bytes=gather_bytes,
@@ -160,7 +158,7 @@ def plan_group(
         sent_bytes=round(sent),
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
-        offload=offload,
+        offload=any(p.offloaded for p in g.params),
         is_root=is_root,
     )
 
@@ -169,14 +167,6 @@ def _short(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _dtypes(state: GroupState) -> str:
-    pairs = sorted({(_short(p.dtype), _short(p.layout.gather_dtype)) for p in state.group.params})
+def _dtypes(g: GroupFacts) -> str:
+    pairs = sorted({(_short(p.dtype), _short(p.gather_dtype)) for p in g.params})
     return ",".join(a if a == b else f"{a}->{b}" for a, b in pairs) or "-"
-
-
-def limits(root: RootState | None) -> tuple[int, int]:
-    """(prefetch_limit, reduce_limit): the root's, or the defaults before the first forward."""
-    if root is not None:
-        return root.prefetch_limit, root.reduce_limit
-    fields = RootState.__dataclass_fields__
-    return fields["prefetch_limit"].default, fields["reduce_limit"].default

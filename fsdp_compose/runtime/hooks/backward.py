@@ -19,6 +19,7 @@ from ..schedule import (
     release_held,
     reset_backward,
     unshard_with_prefetch,
+    wait_all_reductions,
 )
 from ..state import IDLE, IN_BACKWARD, POST_BACKWARD, PRE_BACKWARD, GroupState, RootState
 
@@ -97,7 +98,7 @@ class PostBackwardSignal(torch.autograd.Function):
 
 def inputs_done_hook(state: GroupState, *_grads) -> None:
     """A forward call's inputs got their gradients: ``PostBackwardSignal``'s backward, or the hook on the node
-    of a single input's identity view (``forward.signal_post_backward``)."""
+    of a single input's identity view (see [Note: the view_as signal] in ``forward.py``)."""
     if state.root.graph_only:  # a gradient-only pass over the forward graph; the step's backward comes
         return
     state.inputs_pending -= 1
@@ -115,7 +116,7 @@ def pre_backward(state: GroupState, _grads=None) -> None:
         return
     state.phase = PRE_BACKWARD
     targets = _prefetched_in_backward(state)
-    if state.unshard_in_backward:
+    if state.settings.unshard_in_backward:
         unshard_with_prefetch(state, targets)
     else:  # set_unshard_in_backward(False): only the prefetches
         for target in targets:
@@ -125,7 +126,7 @@ def pre_backward(state: GroupState, _grads=None) -> None:
 
 def _prefetched_in_backward(state: GroupState) -> list[GroupState]:
     """The groups to all-gather right after ``state``'s in backward (those that unshard in backward)."""
-    return [t for t in backward_prefetch_targets(state.root, state) if t.unshard_in_backward]
+    return [t for t in backward_prefetch_targets(state.root, state) if t.settings.unshard_in_backward]
 
 
 def on_grad_accumulated(state: GroupState, index: int, _param=None) -> None:
@@ -152,10 +153,10 @@ def post_backward(state: GroupState) -> None:
     the group has not done so already this step."""
     state.phase = POST_BACKWARD
     group = state.group
-    if state.reshard_after_backward and not state.held_by_graph:  # the gradients are separate tensors
+    if state.settings.reshard_after_backward and not state.held_by_graph:  # the gradients are separate tensors
         group.reshard()
-    if group.trainable and state.requires_gradient_sync:
-        queue_reductions(state.root, state, group.start_reduce(all_reduce=state.requires_all_reduce))
+    if group.trainable and state.settings.requires_gradient_sync:
+        queue_reductions(state.root, state, group.start_reduce(all_reduce=state.settings.requires_all_reduce))
     elif group.trainable:  # no-sync micro-batch: keep summing in the reduce dtype
         for p in group.trainable:
             stash_grad(p)
@@ -178,15 +179,12 @@ def end_of_backward(root: RootState, held: bool = False) -> None:
         participated = state.phase != IDLE or state.grads_ready or (held and holds_gradients(state))
         if participated and state.phase != POST_BACKWARD:
             post_backward(state)
-        elif state.group.is_unsharded and state.reshard_after_backward:
+        elif state.group.is_unsharded and state.settings.reshard_after_backward:
             state.group.reshard()
     release_held(root)
     issue_reductions(root)
-    if root.root_module_state.is_last_backward:
-        for state in root.states:
-            if state.group.pending_reduces:  # most groups' reductions finished long ago
-                state.group.wait_reduces()
-        root.reducing.clear()
+    if root.root_module_state.settings.is_last_backward:
+        wait_all_reductions(root)
     for state in root.states:
         reset_backward(state)
     end_backward(root)

@@ -20,6 +20,7 @@ from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_leaves, tree
 
 from ..refresh import follow_module
 from ..schedule import (
+    begin_step,
     forward_prefetch_targets,
     record_post_forward,
     record_pre_forward,
@@ -89,11 +90,19 @@ def plain_tensor_args(args: object, kwargs: dict) -> bool:
     return not kwargs and type(args) is tuple and all(is_tensor_leaf(a) for a in args)
 
 
+# [Note: the view_as signal]
+# A group's post-backward (reduce its gradients, reshard) may run once every forward use of it has its
+# inputs' gradients: then no later node of the backward needs its parameters. To hear that moment, the
+# inputs of each call are routed through an identity whose backward node carries a hook. For the usual
+# single plain tensor that identity is ``x.view_as(x)`` with a hook on its ``grad_fn``: a C++ node, half
+# the cost of a Python ``autograd.Function`` (``backward.PostBackwardSignal``, used for several inputs).
+# An in-place op on the view replaces its node and loses the hook; the group's post-backward then runs at
+# the end of backward (``backward.end_of_backward``), later but still once.
+
+
 def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
     """``tensors`` routed through autograd nodes whose backward tells ``state`` this call's inputs got
-    their gradients: one plain tensor through ``view_as`` with a hook on its node (half the cost of a
-    Python ``autograd.Function``), several through one ``PostBackwardSignal``. A view modified in
-    place loses the hook; the group's post-backward then runs at the end of backward."""
+    their gradients: see [Note: the view_as signal]."""
     state.inputs_pending += 1
     if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
         view = tensors[0].view_as(tensors[0])
@@ -133,7 +142,7 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
     if state.root is None:
         lazy_init(state, module)
     root = state.root
-    policy = state.mp_policy
+    policy = state.settings.mp_policy
     if policy.cast_forward_inputs and policy.param_dtype is not None:
         args = cast_floating(args, policy.param_dtype)
         if kwargs:
@@ -142,15 +151,7 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
         state.group.unshard()
         return args, kwargs
     if state.is_root:
-        for s in root.states:  # reductions a non-last backward left in flight
-            group = s.group
-            if group.pending_reduces:
-                group.wait_reduces()
-            event = group.comm.post_optim_event
-            if event is not None:  # set_post_optim_event: gather only after the optimizer step
-                group.comm.post_optim_event = None
-                event.wait()
-        root.reducing.clear()
+        begin_step(root)
     record_pre_forward(root, state)
     unshard_with_prefetch(state, forward_prefetch_targets(root, state))
     if torch.is_grad_enabled():
@@ -162,8 +163,8 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
 
 def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any) -> Any:
     root = state.root
-    if state.mp_policy.output_dtype is not None:
-        output = cast_floating(output, state.mp_policy.output_dtype)
+    if state.settings.mp_policy.output_dtype is not None:
+        output = cast_floating(output, state.settings.mp_policy.output_dtype)
     if root.phase == IN_BACKWARD:
         return output
     if not torch.is_grad_enabled():
