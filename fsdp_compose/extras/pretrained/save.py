@@ -183,6 +183,9 @@ def _write_configs(model: nn.Module, path: str) -> None:
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config = copy.deepcopy(config)
         config.architectures = [_model_class(model).__name__]
+        floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
+        if floating:  # transformers reloads in this dtype (its own save_pretrained records it too)
+            config.dtype = floating[0]
         config.save_pretrained(path)
     generation = getattr(model, "generation_config", None)
     can_generate = getattr(model, "can_generate", None)
