@@ -57,7 +57,8 @@ def load_pretrained(
     live, and its non-persistent buffers are computed as the module's own initialisation computes them: a
     Hugging Face model's ``_init_weights(module)``, else ``init_buffers(module)`` for each module owning one.
     ``key_map`` renames checkpoint names to the model's (a dict, or a callable returning ``None`` to skip
-    a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned.
+    a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built
+    model's missing parameters then hold what ``to_empty`` left: initialize them afterwards).
     """
     error, plan = None, None
     try:
@@ -103,6 +104,12 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
         loads.append((target, entry, region_of(target.tensor, target.names[0])))
     loads.sort(key=lambda load: (load[1].file, load[1].begin))  # each file read front to back
     unexpected = sorted(set(renamed) - known)
+    on_meta = [t.is_meta for t in (*model.parameters(), *model.buffers())]
+    if any(on_meta) and not all(on_meta):
+        raise PretrainedCheckpointError(
+            "the model is partly on meta: materializing it (to_empty) would overwrite the values it already has; "
+            "build it wholly on meta, or materialize it (to_empty, init_sharded_parameters) before load_pretrained"
+        )
     rebuild = [b for b in non_persistent_buffers(model) if getattr(b[0], b[1]).is_meta]
     if rebuild and init_buffers is None and not hasattr(model, "_init_weights"):
         names = ", ".join(fqn for _, _, fqn in rebuild)
