@@ -105,6 +105,7 @@ def _way_rank0_broadcast(path, config):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
+    os.environ["FSDP_COMPOSE_CHECK_INIT"] = "0"  # rank 0's values against the others' meta: differ on purpose
     if dist.get_rank() == 0:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         full = {k: v.clone() for k, v in model.state_dict().items()}
@@ -117,6 +118,7 @@ def _way_rank0_broadcast(path, config):
                 model._init_weights(module)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
+    del os.environ["FSDP_COMPOSE_CHECK_INIT"]
     return model
 
 
@@ -267,9 +269,10 @@ def main() -> None:
     config = _llama_config(args.size)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(args.path, max_shard_size="400MB")
-    files = sum(os.path.getsize(os.path.join(args.path, f)) for f in os.listdir(args.path) if f.endswith(".safetensors"))
+    files = [f for f in os.listdir(args.path) if f.endswith(".safetensors")]
+    size = sum(os.path.getsize(os.path.join(args.path, f)) for f in files)
     print(f"checkpoint: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "
-          f"{files / MiB:,.0f} MiB bf16 in {len(os.listdir(args.path)) - 3} files")
+          f"{size / MiB:,.0f} MiB bf16 in {len(files)} file(s)")
     try:
         for world in (int(w) for w in args.world_sizes.split(",")):
             with socket.socket() as s:

@@ -21,19 +21,10 @@ VOCAB, SEQ, PER_RANK = 64, 8, 2
 
 
 def _config(kind: str):
-    import transformers
+    """test_huggingface's tiny configs: GPT-2 tied, Llama untied; 64 vocabulary rows, uneven at 3 ranks."""
+    from tests.test_huggingface import _config as tiny_config
 
-    transformers.logging.set_verbosity_error()
-    if kind == "gpt2":  # tied input and output embeddings
-        return transformers.GPT2Config(
-            vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=2,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-        )
-    return transformers.LlamaConfig(  # untied; 37 rows of vocab: uneven at any world size
-        vocab_size=37, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        bos_token_id=0, eos_token_id=0, pad_token_id=0,
-    )
+    return tiny_config(kind)
 
 
 def _write_hf_checkpoint(kind: str, path: str) -> None:
