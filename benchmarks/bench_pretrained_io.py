@@ -221,13 +221,14 @@ def _rank_main(rank: int, world: int, port: int, args) -> None:
         ("full state dict (cpu_offload) + save_pretrained on rank 0", _way_rank0_save, ""),
         ("dcp.save(HuggingFaceStorageWriter, consolidated)", _way_dcp_save, ""),
     ]
-    for name, way, note in saves:
-        out = os.path.join(args.scratch, f"out{world}")
+    for number, (name, way, note) in enumerate(saves):
+        out = os.path.join(args.scratch, f"out{world}_{number}")
         if rank == 0:
             shutil.rmtree(out, ignore_errors=True)
             os.makedirs(out)
         dist.barrier()
         _, stats = _measure(way, model, out)
+        dist.barrier()  # a way may return on some ranks before rank 0 has finished writing
         exact = _shard_exact(model, out)
         rows.append((name, stats, note, exact))
     exact_everywhere = torch.tensor([[r[3] for r in rows]], dtype=torch.int32)
