@@ -165,3 +165,28 @@ def test_a_file_bad_on_one_rank_raises_on_every_rank(tmp_path) -> None:
     assert results[0] == results[1], results
     assert results[0][1], "a model changed"
     assert_expected_inline(results[0][0], """<dir>/rank1.safetensors: tensor 'weight': data_offsets [0, 24] end at byte 168, beyond the file's 164 bytes (truncated?) (rank 1)""")
+
+
+class _WithTable(nn.Module):
+    """A linear layer and a non-persistent buffer its __init__ computes (like a rotary table)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2)
+        self.register_buffer("table", torch.arange(4.0) / 4, persistent=False)
+
+    def init_table(self) -> None:
+        self.table.copy_(torch.arange(4.0) / 4)
+
+
+def test_meta_model_buffers_computed_by_init_buffers(tmp_path) -> None:
+    header = {f"linear.{k}": v for k, v in _good_header().items()}
+    path = _file(str(tmp_path / "m.safetensors"), header, _data())
+    with torch.device("meta"):
+        model = _WithTable()
+    with pytest.raises(PretrainedCheckpointError) as caught:
+        load_pretrained(model, path)
+    assert_expected_inline(str(caught.value), """non-persistent buffers table are on meta and no checkpoint holds them; pass init_buffers=fn(module) that computes them (what the module's __init__ does)""")
+    assert model.linear.weight.is_meta  # nothing was written or materialized
+    load_pretrained(model, path, init_buffers=lambda module: module.init_table())  # called for the module owning it
+    assert torch.equal(model.table, torch.arange(4.0) / 4) and torch.equal(model.linear.weight, WEIGHT)
