@@ -8,6 +8,8 @@ Beyond FSDP2: ``explain(model)`` prints the sharding plan with its traffic and p
 ``estimate(build, world_size=N)`` answers "will it fit?" before a launch, running one training
 step of ``build``'s model as one of ``N`` ranks on fake tensors in a subprocess and reporting the
 per-rank peak memory by category (activations included) and the collectives per step.
+``load_pretrained`` / ``save_pretrained`` read and write Hugging Face safetensors checkpoints straight
+into and out of the shards (each rank only its rows).
 Those, checkpoints, the quantized all-gather, auto-wrap and deferred init live in ``extras/``;
 this module names them in ``_EXTRAS`` and imports one only when it is first used (PEP 562), so
 the core imports no extra.
@@ -49,6 +51,9 @@ _EXTRAS = {
     "ModuleWrapPolicy": ("fsdp_compose.extras.wrap", "ModuleWrapPolicy"),
     "CustomPolicy": ("fsdp_compose.extras.wrap", "CustomPolicy"),
     "SizeBasedPolicy": ("fsdp_compose.extras.wrap", "SizeBasedPolicy"),
+    "load_pretrained": ("fsdp_compose.extras.pretrained", "load_pretrained"),
+    "save_pretrained": ("fsdp_compose.extras.pretrained", "save_pretrained"),
+    "PretrainedCheckpointError": ("fsdp_compose.extras.pretrained", "PretrainedCheckpointError"),
 }
 
 
@@ -96,6 +101,9 @@ __all__ = [
     "load_checkpoint",
     "checkpoint_exists",
     "CheckpointError",
+    "load_pretrained",
+    "save_pretrained",
+    "PretrainedCheckpointError",
     "explain",
     "estimate",
     "Estimate",

@@ -1,0 +1,180 @@
+"""``load_pretrained``: a Hugging Face safetensors checkpoint read straight into the shards.
+
+Each rank reads the byte runs of its own rows of each tensor (one run for a ``Shard(0)`` parameter), converts
+them to the parameter's dtype and copies them into its local shard, in place: no rank builds a full tensor or
+a state dict. Everything is checked first, on every rank (the files' headers, the names, the shapes): an error
+leaves the model untouched everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from .agreement import raise_on_every_rank
+from .checkpoint_dir import read_checkpoint
+from .local_region import Region, region_of
+from .model_tensors import ModelTensor, checkpoint_tensors, non_persistent_buffers
+from .progress import progress
+from .safetensors_file import PretrainedCheckpointError, TensorEntry
+
+KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
+
+
+class LoadResult(NamedTuple):
+    """What ``load_pretrained`` found: model names the checkpoint lacked, checkpoint names the model lacks,
+    and the bytes of tensor data this rank read."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    bytes_read: int
+
+
+class _Plan(NamedTuple):
+    loads: list[tuple[ModelTensor, TensorEntry, Region]]
+    missing: list[str]
+    unexpected: list[str]
+    rebuild: list[tuple[nn.Module, str, str]]  # non-persistent buffers on meta, to compute again
+
+
+@torch.no_grad()
+def load_pretrained(
+    model: nn.Module,
+    path: str,
+    *,
+    strict: bool = True,
+    key_map: KeyMap | None = None,
+    init_buffers: Callable[[nn.Module], None] | None = None,
+) -> LoadResult:
+    """Load the safetensors checkpoint at ``path`` (a directory with ``model.safetensors.index.json`` or
+    ``model.safetensors``, or one ``.safetensors`` file) into ``model``, sharded or not, on every rank.
+
+    A model still on ``meta`` (built there, then ``fully_shard``) is first materialized where its shards
+    live, and its non-persistent buffers are computed as the module's own initialisation computes them: a
+    Hugging Face model's ``_init_weights(module)``, else ``init_buffers(module)`` for each module owning one.
+    ``key_map`` renames checkpoint names to the model's (a dict, or a callable returning ``None`` to skip
+    a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built
+    model's missing parameters then hold what ``to_empty`` left: initialize them afterwards).
+    """
+    error, plan = None, None
+    try:
+        plan = _plan(model, path, key_map, init_buffers)
+        if strict and (plan.missing or plan.unexpected):
+            error = f"{path}: {_mismatch(plan.missing, plan.unexpected)}; pass key_map to rename, or strict=False"
+    except (PretrainedCheckpointError, OSError, ValueError, NotImplementedError) as failure:
+        error = str(failure)
+    raise_on_every_rank(error)
+    assert plan is not None
+    _materialize(model, plan.rebuild, init_buffers)
+    now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
+    bytes_read = 0
+    with progress(sum(entry.nbytes for _, entry, _ in plan.loads), "load_pretrained") as bar:
+        for target, entry, region in plan.loads:
+            bytes_read += _read_into(_local(now[target.names[0]]), entry, region)
+            bar.update(entry.nbytes)
+    return LoadResult(plan.missing, plan.unexpected, bytes_read)
+
+
+def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> _Plan:
+    found = read_checkpoint(path)
+    renamed: dict[str, TensorEntry] = {}
+    for name, entry in found.items():
+        new = key_map(name) if callable(key_map) else (key_map or {}).get(name, name)
+        if new is None:
+            continue
+        if new in renamed:
+            raise PretrainedCheckpointError(f"{entry.file}: tensors '{renamed[new].name}' and '{name}' both map to '{new}'")
+        renamed[new] = entry
+    loads, missing, known = [], [], set()
+    for target in checkpoint_tensors(model):
+        known.update(target.names)
+        entry = next((renamed[n] for n in target.names if n in renamed), None)
+        if entry is None:
+            missing.append(target.names[0])
+            continue
+        if entry.shape != tuple(target.tensor.shape):
+            raise PretrainedCheckpointError(
+                f"{entry.file}: tensor '{entry.name}' has shape {list(entry.shape)}, "
+                f"the model's '{target.names[0]}' {list(target.tensor.shape)}"
+            )
+        loads.append((target, entry, region_of(target.tensor, target.names[0])))
+    loads.sort(key=lambda load: (load[1].file, load[1].begin))  # each file read front to back
+    unexpected = sorted(set(renamed) - known)
+    on_meta = [t.is_meta for t in (*model.parameters(), *model.buffers())]
+    if any(on_meta) and not all(on_meta):
+        raise PretrainedCheckpointError(
+            "the model is partly on meta: materializing it (to_empty) would overwrite the values it already has; "
+            "build it wholly on meta, or materialize it (to_empty, init_sharded_parameters) before load_pretrained"
+        )
+    rebuild = [b for b in non_persistent_buffers(model) if getattr(b[0], b[1]).is_meta]
+    if rebuild and init_buffers is None and not hasattr(model, "_init_weights"):
+        names = ", ".join(fqn for _, _, fqn in rebuild)
+        raise PretrainedCheckpointError(
+            f"non-persistent buffers {names} are on meta and no checkpoint holds them; pass "
+            "init_buffers=fn(module) that computes them (what the module's __init__ does)"
+        )
+    return _Plan(loads, missing, unexpected, rebuild)
+
+
+def _mismatch(missing: list[str], unexpected: list[str]) -> str:
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        parts.append(f"unexpected (not in the model): {', '.join(unexpected)}")
+    return "; ".join(parts)
+
+
+def _materialize(model: nn.Module, rebuild: list[tuple[nn.Module, str, str]], init_buffers) -> None:
+    """A model on meta gets storage where its shards live, then its non-persistent buffers' values."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_meta for t in tensors):
+        return
+    model.to_empty(device=_shard_device(tensors))
+    owners = list({id(module): module for module, _, _ in rebuild}.values())
+    for module in owners:
+        if init_buffers is not None:
+            init_buffers(module)
+        else:
+            model._init_weights(module)  # a Hugging Face model's own initialisation of that module
+
+
+def _shard_device(tensors: list[torch.Tensor]) -> torch.device:
+    """The device of the shards' mesh (``to_empty`` on a sharded model keeps CPU-offloaded shards on CPU)."""
+    for t in tensors:
+        if isinstance(t, DTensor) and t.device_mesh.device_type != "cpu":
+            kind = t.device_mesh.device_type
+            return torch.device(kind, torch.get_device_module(kind).current_device())
+    return torch.device("cpu")
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _read_into(local: torch.Tensor, entry: TensorEntry, region: Region) -> int:
+    """Read ``region`` of ``entry`` into ``local`` (this rank's part, converted to its dtype); bytes read."""
+    runs = region.runs(entry.dtype.itemsize)
+    nbytes = sum(n for _, _, n in runs)
+    if not nbytes:
+        return 0
+    direct = local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous()
+    buffer = local.detach().view(-1).view(torch.uint8) if direct else torch.empty(nbytes, dtype=torch.uint8)
+    view = buffer.numpy()
+    with open(entry.file, "rb", buffering=0) as f:
+        for in_tensor, in_buffer, n in runs:
+            f.seek(entry.begin + in_tensor)
+            done = 0
+            while done < n:
+                got = f.readinto(memoryview(view)[in_buffer + done : in_buffer + n])
+                if not got:
+                    raise PretrainedCheckpointError(f"{entry.file}: tensor '{entry.name}': the file ended early (changed while loading?)")
+                done += got
+    if not direct:
+        local.copy_(buffer.view(entry.dtype).view(region.local_shape))
+    return nbytes
+

@@ -1,0 +1,92 @@
+"""Which part of a parameter's full value this rank holds, and where those elements lie in a row-major file.
+
+A parameter sharded by ``fully_shard`` is a DTensor: on each mesh dim a ``Shard(d)`` splits tensor dim ``d``
+the way ``torch.chunk`` does (``ceil(size / n)`` rows per rank, tail ranks short or empty), which is also
+how this library cuts uneven shards. A ``_StridedShard(d)`` (FSDP on top of a tensor-parallel split of the
+same dim) splits the rows the other mesh dims left this rank, so it is applied after them. The result is a
+box, ``(start, size)`` per tensor dim; in the row-major bytes of a safetensors file it is a few contiguous
+runs (one for ``Shard(0)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+
+import torch
+from torch.distributed.tensor import DTensor
+
+
+@dataclasses.dataclass(frozen=True)
+class Region:
+    """This rank's box of a tensor of global ``shape``, and whether it is the one replica that writes it."""
+
+    shape: tuple[int, ...]
+    box: tuple[tuple[int, int], ...]  # (start, size) per dim
+    writer: bool
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return tuple(size for _, size in self.box)
+
+    def runs(self, itemsize: int) -> list[tuple[int, int, int]]:
+        """``(byte offset in the full tensor, byte offset in the box, bytes)`` of each contiguous run of the box."""
+        if math.prod(self.local_shape) == 0:
+            return []
+        restricted = [d for d, (start, size) in enumerate(self.box) if (start, size) != (0, self.shape[d])]
+        if not restricted:
+            return [(0, 0, math.prod(self.shape) * itemsize)]
+        last = restricted[-1]  # dims after it are whole: each run spans them
+        strides = [math.prod(self.shape[d + 1 :]) for d in range(len(self.shape))]
+        start_last, size_last = self.box[last]
+        run = size_last * strides[last] * itemsize
+        leading = [range(start, start + size) for start, size in self.box[:last]]
+        runs = []
+        for n, index in enumerate(itertools.product(*leading)):
+            element = sum(i * s for i, s in zip(index, strides)) + start_last * strides[last]
+            runs.append((element * itemsize, n * run, run))
+        return runs
+
+
+def region_of(tensor: torch.Tensor, name: str) -> Region:
+    """This rank's region of ``tensor`` (a DTensor's local part, or all of a plain tensor)."""
+    shape = tuple(tensor.shape)
+    if not isinstance(tensor, DTensor):
+        return Region(shape, tuple((0, s) for s in shape), writer=True)
+    mesh, placements = tensor.device_mesh, tensor.placements
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:  # this rank holds none of it
+        return Region(shape, tuple((0, 0) for _ in shape), writer=False)
+    box = [(0, s) for s in shape]
+    writer = True
+    strided = []
+    for mesh_dim, placement in enumerate(placements):
+        if placement.is_replicate():
+            writer = writer and coordinate[mesh_dim] == 0
+        elif placement.is_partial():
+            raise ValueError(f"'{name}' is a Partial DTensor: it has no values to load into or save; redistribute it first")
+        elif hasattr(placement, "split_factor"):  # _StridedShard: splits what the other dims left
+            strided.append(mesh_dim)
+        else:
+            box[placement.dim] = _chunk(box[placement.dim], mesh.size(mesh_dim), coordinate[mesh_dim])
+    for mesh_dim in reversed(strided):
+        dim = placements[mesh_dim].dim
+        box[dim] = _chunk(box[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
+    region = Region(shape, tuple(box), writer)
+    local = tuple(tensor.to_local().shape)
+    if region.local_shape != local:
+        raise NotImplementedError(
+            f"'{name}': its local tensor has shape {local}, but placements {placements} on mesh {tuple(mesh.shape)} "
+            f"give {region.local_shape}; a layout load_pretrained/save_pretrained do not know"
+        )
+    return region
+
+
+def _chunk(span: tuple[int, int], ways: int, index: int) -> tuple[int, int]:
+    """Part ``index`` of ``span`` cut ``ways`` ways as ``torch.chunk`` cuts (ceil-sized parts, tail short or empty)."""
+    start, size = span
+    per = math.ceil(size / ways) if size else 0
+    begin = min(index * per, size)
+    end = min(begin + per, size)
+    return start + begin, end - begin
