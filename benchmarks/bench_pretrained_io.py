@@ -105,7 +105,6 @@ def _way_rank0_broadcast(path, config):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    os.environ["FSDP_COMPOSE_CHECK_INIT"] = "0"  # rank 0's values against the others' meta: differ on purpose
     if dist.get_rank() == 0:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
         full = {k: v.clone() for k, v in model.state_dict().items()}
@@ -118,7 +117,6 @@ def _way_rank0_broadcast(path, config):
                 model._init_weights(module)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
     set_model_state_dict(model, full, options=options)
-    del os.environ["FSDP_COMPOSE_CHECK_INIT"]
     return model
 
 

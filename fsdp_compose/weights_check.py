@@ -13,8 +13,10 @@ loading a checkpoint after sharding is right, so the error waits for the root's 
 ``fully_shard``, and one all-reduce of those flags lets every rank raise together. Version counters would
 miss writes through ``.data``, ``to_local()`` or a collective, which bump none. Both the extra fingerprint
 and the all-reduce happen only for a group whose ranks differed.
-Skipped: meta and fake parameters (no values yet), tensor subclasses (their own arithmetic), a
-world of one, ranks that are threads of one process (torch's ``threaded`` test backend: they share one
+A parameter on meta (no values yet) or a tensor subclass (its own arithmetic) is fingerprinted as
+having none, so every rank takes part in the all-reduce whatever it holds: all-meta ranks agree, and a
+rank holding values differs from meta ones until the broadcast or load they need writes their shards.
+Skipped: fake parameters, a world of one, ranks that are threads of one process (torch's ``threaded`` test backend: they share one
 random generator, so no seed can make them build alike, and torch's own FSDP2 tests train such values),
 and ``FSDP_COMPOSE_CHECK_INIT=0`` (ranks that differ on purpose).
 """
@@ -44,19 +46,16 @@ def unequal_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh
     if os.environ.get(CHECK_ENV, "1") == "0" or not params or mesh.size() == 1 or _thread_ranks(mesh):
         return []
     pieces = {name: p.to_local() if hasattr(p, "to_local") else p for name, p in params.items()}  # TP: this rank's
-    if any(v.is_meta or is_fake(v) for v in pieces.values()):
-        return []
-    # plain tensors only: a subclass (float8, NF4, the extension protocol's) defines its own arithmetic
-    params = {name: v for name, v in pieces.items() if type(v) in (torch.Tensor, nn.Parameter)}
-    if not params:
+    if any(is_fake(v) for v in pieces.values()):  # a fake run: every rank fake, nothing to compare
         return []
     with torch.no_grad():
-        prints = torch.stack([torch.stack([v.double().sum(), v.double().square().sum()]) for v in params.values()])
-        prints = torch.nan_to_num(prints.to(device), nan=1.0e300).flatten()  # NaN compares equal to itself here
+        # every rank sends one fingerprint per parameter, values or not: a rank that skipped the all-reduce
+        # (its model on meta while rank 0's holds pretrained weights) would leave the others waiting in it
+        prints = torch.stack([_fingerprint(v, device) for v in pieces.values()]).flatten()
         name = f"fully_shard({owner})'s comparison of weights"
         found = disagreement(torch.cat([prints, -prints]), _groups(mesh), name)
         differs = (found[: prints.numel()] | found[prints.numel() :]).view(-1, 2).any(dim=1).tolist()
-    return [name for name, different in zip(params, differs) if different]
+    return [name for name, different in zip(pieces, differs) if different]
 
 
 def defer_verdict(state: GroupState, unequal: list[str]) -> None:
@@ -70,15 +69,20 @@ def defer_verdict(state: GroupState, unequal: list[str]) -> None:
 
 
 def _local_prints(state: GroupState, params: list[ShardedParam]) -> torch.Tensor:
-    """Each local shard's float64 sum and sum of squares, on the group's device (nothing read on the host). A
-    shard replaced since by a tensor subclass (its own arithmetic) reads as -1, unlike any cut: written."""
+    """Each local shard's fingerprint (``_fingerprint``), on the group's device."""
     with torch.no_grad():
-        prints = []
-        for p in params:
-            v = p.local_tensor().detach()
-            plain = type(v) in (torch.Tensor, nn.Parameter)
-            prints.append(torch.stack([v.double().sum(), v.double().square().sum()]) if plain else -torch.ones(2))
-        return torch.nan_to_num(torch.stack([x.to(state.group.device) for x in prints]), nan=1.0e300)
+        return torch.stack([_fingerprint(p.local_tensor().detach(), state.group.device) for p in params])
+
+
+def _fingerprint(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value``'s float64 sum and sum of squares on ``device`` (nothing read on the host; NaN as 1e300, so it
+    compares equal to itself). A value without data here (on meta) or with arithmetic of its own (a tensor
+    subclass: float8, NF4, the extension protocol's) reads as -1, -1, unlike any real one (a sum of squares is
+    never negative): a rank on meta differs from one holding values, and a later write changes it."""
+    if value.is_meta or type(value) not in (torch.Tensor, nn.Parameter):
+        return torch.full((2,), -1.0, dtype=torch.float64, device=device)
+    found = torch.stack([value.double().sum(), value.double().square().sum()])
+    return torch.nan_to_num(found.to(device), nan=1.0e300)
 
 
 def _raise_if_unwritten(state: GroupState, recorded: list[ShardedParam], cut: torch.Tensor, where: str) -> None:

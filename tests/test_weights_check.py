@@ -170,7 +170,7 @@ def test_weights_loaded_on_rank_0_only_are_caught():
     assert errors[0].startswith("fully_shard(TinyLM) of '<root>': ranks hold different values"), errors
 
 
-def _meta_is_skipped() -> bool:
+def _all_meta() -> bool:
     torch.manual_seed(dist.get_rank())
     with torch.device("meta"):
         model = TinyLM()
@@ -180,8 +180,35 @@ def _meta_is_skipped() -> bool:
     return all(isinstance(p, DTensor) for p in model.parameters())
 
 
-def test_meta_parameters_are_not_compared():
-    assert run_on_ranks(2, _meta_is_skipped) == [True, True]
+def test_ranks_all_on_meta_agree():
+    assert run_on_ranks(2, _all_meta) == [True, True]
+
+
+def _rank_0_real_others_meta() -> float:
+    """torch's "rank 0 loads, the others build on meta" recipe: ``fully_shard`` on every rank (rank 0 compares
+    values with ranks that have none: it must not wait alone), then rank 0's full state dict broadcast."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    reference = _reference()
+    if rank == 0:
+        model = _reference()
+    else:
+        with torch.device("meta"):
+            model = TinyLM()
+    shard_blocks_then_root(model)
+    if rank != 0:
+        model.to_empty(device="cpu")
+    full = reference.state_dict() if rank == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    batch = local_slice(global_batch(0, world), rank, world)
+    return abs(lm_loss(model, batch).item() - lm_loss(reference, batch).item())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_0_values_and_meta_elsewhere_then_a_broadcast_trains(world):
+    """It hung: the meta ranks skipped the comparison's all-reduce that rank 0 entered."""
+    assert all(diff <= 1e-5 for diff in run_on_ranks(world, _rank_0_real_others_meta))
 
 
 def _hsdp_one_rank_differs(load_on_replica_0: bool) -> str | None:
