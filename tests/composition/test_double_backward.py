@@ -43,7 +43,7 @@ def _penalty_step(model, batch, rank, world_size):
     return loss.detach()
 
 
-def _train(reshard: bool, variant: str):
+def _train(reshard: bool, variant: str, step_fn=_penalty_step):
     def build():
         model = Critic(checkpointed=variant == "checkpointed")
         return freeze(model, {"blocks.0.fc1.weight"}) if variant == "frozen" else model
@@ -53,7 +53,7 @@ def _train(reshard: bool, variant: str):
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
 
-    return train_against_reference(build, shard, step_fn=_penalty_step)
+    return train_against_reference(build, shard, step_fn=step_fn)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -100,18 +100,9 @@ def _backward_twice(model, batch, rank, world_size):
     return loss.detach()
 
 
-def _train_backward_twice(reshard: bool):
-    def shard(model):
-        for block in model.blocks:
-            fully_shard(block, reshard_after_forward=reshard)
-        fully_shard(model, reshard_after_forward=reshard)
-
-    return train_against_reference(Critic, shard, step_fn=_backward_twice)
-
-
 @pytest.mark.parametrize("reshard", [True, False])
 def test_a_second_backward_through_a_create_graph_backward_at_parity(reshard):
-    assert_parity(run_on_ranks(2, _train_backward_twice, reshard))
+    assert_parity(run_on_ranks(2, _train, reshard, "plain", _backward_twice))
 
 
 def _backward_through_the_gradients() -> str:
