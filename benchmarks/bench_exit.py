@@ -122,7 +122,9 @@ def main() -> None:
             for i, (rc, out) in enumerate(pool.map(one, range(args.runs))):
                 if rc != 0 or "terminate called" in out:
                     failures += 1
-                    tail = " | ".join(out.strip().splitlines()[-3:])[-300:]
+                    lines = out.strip().splitlines()
+                    causes = [ln for ln in lines if "terminate called" in ln or "Error" in ln or "Exception" in ln]
+                    tail = " | ".join((causes[:2] + lines[-2:]) if causes else lines[-3:])[-600:]
                     print(f"run {i}: exit code {rc}: {tail}", flush=True)
     who = "torch's FSDP2" if args.torch else f"fsdp_compose ({args.code})"
     print(
