@@ -15,6 +15,7 @@ from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .optimizer_check import install_optimizer_check, mark_ignored
 from .pipelining import install as install_pipelining
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
+from .runtime.gloo_exit import drain_at_exit
 from .runtime.group import ParamGroup, PostForward
 from .runtime.hooks.backward import on_grad_accumulated
 from .runtime.hooks.forward import post_forward_hook, pre_forward_hook
@@ -295,6 +296,7 @@ def fully_shard(
         s.primary = state
     install_optimizer_check()
     install_pipelining()  # a no-op unless the program imported torch.distributed.pipelining
+    drain_at_exit(state.group.process_group.name())  # gloo's worker threads done before finalization
     register_state(state)
     if not on_meta:
         _move_own_buffers(modules, state, state.group.device)

@@ -5,29 +5,38 @@ A schedule runs every micro-batch's backward without gradient sync and reduces a
 private state it then reads. ``install`` makes it recognize ours too, through our public setters,
 and gives its step end ours: sync back on, the gradients held since the first micro-batch reduced
 once, the parameters resharded. ``fully_shard`` runs it when the program has imported torch's
-pipelining: fsdp_compose never imports it (it imports torch's FSDP). It also refuses zero-bubble
-schedules on stages that reshard after forward, whose weight gradients would be lost.
+pipelining, or else has it run when the program does (fsdp_compose never imports it: it imports torch's
+FSDP). It also refuses zero-bubble schedules on stages that reshard after forward, whose weight
+gradients would be lost, and keeps the first step's metadata inference (torch 2.13 on: a real forward
+and an input-gradient backward per stage, before the micro-batches) from reducing: one reduction per
+group in every step, the first included.
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import sys
+from collections.abc import Callable
 
 from torch import nn
 
 from .module import FSDPModule
 from .runtime.hooks.backward import end_of_backward
+from .runtime.param_grad import clear_unsharded_grad
 from .runtime.schedule import reshards_after_forward
 from .runtime.state import state_of, states_in
 
-STAGE, SCHEDULES = "torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules"
+PACKAGE = "torch.distributed.pipelining"
+STAGE, SCHEDULES = f"{PACKAGE}.stage", f"{PACKAGE}.schedules"
 _OURS = "_fsdp_compose_step_end"
 
 
 def install() -> None:
-    """Teach an imported ``torch.distributed.pipelining`` our modules (idempotent; torch's still work)."""
+    """Teach ``torch.distributed.pipelining`` our modules (idempotent; torch's still work): now if the
+    program imported it, else right after it does."""
     stage = sys.modules.get(STAGE)
     if stage is None:
+        _InstallOnImport.register()
         return
     for module in (stage, sys.modules.get(SCHEDULES)):
         if module is not None and hasattr(module, "FSDPModule"):  # its isinstance checks take a tuple
@@ -50,6 +59,67 @@ def install() -> None:
 
     setattr(perform_reduce_grad, _OURS, True)
     base.perform_reduce_grad = perform_reduce_grad
+    inference = getattr(stage, "PipelineStage", None)
+    if inference is not None and hasattr(inference, "_backward_metadata_inference"):
+        inference._backward_metadata_inference = _unreduced(inference._backward_metadata_inference)
+
+
+def _unreduced(metadata_backward: Callable) -> Callable:
+    """The metadata inference's input-gradient backward on our stage, with gradient sync off: torch
+    resets the stage after it (``_post_metadata_inference_cleanup``), so a reduction there is wasted,
+    one more per group in the first step. Sync is put back as it was, and nothing is left held."""
+    if getattr(metadata_backward, _OURS, False):
+        return metadata_backward
+
+    def without_reduction(self, *args, **kwargs):
+        if not isinstance(self.submod, FSDPModule):
+            return metadata_backward(self, *args, **kwargs)
+        states = [state for _, state in states_in(self.submod)]
+        syncing = [state.requires_gradient_sync for state in states]
+        self.submod.set_requires_gradient_sync(False)
+        try:
+            return metadata_backward(self, *args, **kwargs)
+        finally:
+            for state, sync in zip(states, syncing):
+                state.requires_gradient_sync = sync
+                for p in state.group.trainable:
+                    clear_unsharded_grad(p)
+
+    setattr(without_reduction, _OURS, True)
+    return without_reduction
+
+
+class _InstallOnImport(importlib.abc.MetaPathFinder):
+    """Runs ``install`` right after ``torch.distributed.pipelining`` (which imports its stage and
+    schedules) is imported, for a program that imports it after ``fully_shard``."""
+
+    @classmethod
+    def register(cls) -> None:
+        if not any(isinstance(finder, cls) for finder in sys.meta_path):
+            sys.meta_path.insert(0, cls())
+
+    def find_spec(self, name, path, target=None):
+        if name != PACKAGE:
+            return None
+        for finder in sys.meta_path:  # the spec the import would have found without us
+            find = getattr(finder, "find_spec", None)
+            spec = None if finder is self or find is None else find(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        if spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_then_install(module) -> None:
+            exec_module(module)
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            install()
+
+        spec.loader.exec_module = exec_then_install
+        return spec
 
 
 def finish_step(module: nn.Module) -> None:

@@ -78,3 +78,32 @@ def accumulate_grad(p: ShardedParam, local_grad: torch.Tensor) -> None:
         p.sharded_param.grad = like_sharded(p.sharded_param, local_grad)
     else:
         current._local_tensor.add_(local_grad.to(current._local_tensor.device))
+
+
+class _ReducedGradient(torch.autograd.Function):
+    """A reduced gradient shard made by ``backward(create_graph=True)``: a backward through it raises,
+    naming the group, where it would otherwise fail saying only that the tensor has no ``grad_fn``."""
+
+    @staticmethod
+    def forward(ctx, label: str, grad: torch.Tensor, _anchor: torch.Tensor) -> torch.Tensor:
+        ctx.label = label
+        return grad.clone()
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor):
+        raise RuntimeError(
+            f"a backward reached the gradients of {ctx.label} made by backward(create_graph=True): they were "
+            "reduce-scattered across ranks, which autograd cannot differentiate, so they lead back to no "
+            "parameter. For a gradient penalty take the gradients with torch.autograd.grad(out, inputs, "
+            "create_graph=True) before the step's backward (docs/composition.md)"
+        )
+
+
+def refuse_backward_through_grad(p: ShardedParam, label: str) -> None:
+    """After a step's ``backward(create_graph=True)``: the sharded ``.grad``, same values, as a
+    ``_ReducedGradient`` output (as torch's own are, it requires grad)."""
+    grad = p.sharded_param.grad
+    if grad is not None and not grad.requires_grad:
+        anchor = torch.zeros((), requires_grad=True)  # an input that requires grad: the output then does
+        with torch.enable_grad():
+            p.sharded_param.grad = _ReducedGradient.apply(label, grad, anchor)

@@ -111,6 +111,8 @@ class RootState:
     # a gradient-only backward with create_graph=True runs (hooks/backward.py); a parameter accumulated in it
     graph_only: bool = False
     accumulated_in_graph_only: bool = False
+    # the step's backward runs with create_graph=True: its reduced gradients get a graph that refuses a backward
+    creates_graph: bool = False
 
     def label_of(self, uid: int) -> str:
         """Name a group by the id handshakes carry (ids agree across ranks; messages name other ranks' groups)."""

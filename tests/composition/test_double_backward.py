@@ -8,6 +8,7 @@ backward ends (runtime/hooks/backward.py, ``begin_graph_only``).
 """
 
 import pytest
+from expecttest import assert_expected_inline
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -42,7 +43,7 @@ def _penalty_step(model, batch, rank, world_size):
     return loss.detach()
 
 
-def _train(reshard: bool, variant: str):
+def _train(reshard: bool, variant: str, step_fn=_penalty_step):
     def build():
         model = Critic(checkpointed=variant == "checkpointed")
         return freeze(model, {"blocks.0.fc1.weight"}) if variant == "frozen" else model
@@ -52,7 +53,7 @@ def _train(reshard: bool, variant: str):
             fully_shard(block, reshard_after_forward=reshard)
         fully_shard(model, reshard_after_forward=reshard)
 
-    return train_against_reference(build, shard, step_fn=_penalty_step)
+    return train_against_reference(build, shard, step_fn=step_fn)
 
 
 @pytest.mark.parametrize("reshard", [True, False])
@@ -88,3 +89,41 @@ def _without_the_private_check() -> str:
 def test_without_the_private_check_the_error_names_the_group():
     (message,) = run_on_ranks(1, _without_the_private_check)
     assert message.startswith("a backward with create_graph=True reached '<root>' (Critic); telling"), message
+
+
+
+def _backward_twice(model, batch, rank, world_size):
+    """``loss.backward(create_graph=True)``, then ``loss.backward()`` again through the same graph."""
+    loss = model(batch[:, :DIM].float() / 37).pow(2).mean()
+    loss.backward(create_graph=True)
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_a_second_backward_through_a_create_graph_backward_at_parity(reshard):
+    assert_parity(run_on_ranks(2, _train, reshard, "plain", _backward_twice))
+
+
+def _backward_through_the_gradients() -> str:
+    """``backward(create_graph=True)``, then a loss of the parameters' gradients and its backward:
+    torch's gradients lead back to the parameters; ours were reduce-scattered, which has no derivative."""
+    torch.manual_seed(0)
+    model = Critic()
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    model(torch.randn(4, DIM)).pow(2).sum().backward(create_graph=True)
+    try:
+        sum(p.grad.pow(2).sum() for p in model.parameters()).backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_backward_through_reduced_gradients_names_the_module():
+    """It failed with torch's "element 0 of tensors does not require grad" (nothing named); now every
+    rank says which group's gradients it reached and why they carry no graph."""
+    messages = run_on_ranks(2, _backward_through_the_gradients)
+    assert len(set(messages)) == 1, messages  # every rank, the same
+    assert_expected_inline(messages[0], """a backward reached the gradients of 'blocks.1' (Block) made by backward(create_graph=True): they were reduce-scattered across ranks, which autograd cannot differentiate, so they lead back to no parameter. For a gradient penalty take the gradients with torch.autograd.grad(out, inputs, create_graph=True) before the step's backward (docs/composition.md)""")

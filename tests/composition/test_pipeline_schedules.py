@@ -2,9 +2,13 @@
 
 Each stage is two blocks and a projection, ``fully_shard`` on each block and on the stage (3 groups a
 stage), as torchtitan builds it. Every schedule must reduce each group's gradients once per step (not
-once per micro-batch) and train at parity with the unsharded model on the global batch, with our
-import or with torch's names pointing at ours (``use_as_torch_fsdp``).
+once per micro-batch), the first step included (torch 2.13 on runs a metadata inference there, a
+forward and an input-gradient backward per stage), on every rank, and train at parity with the
+unsharded model on the global batch, with our import or with torch's names pointing at ours
+(``use_as_torch_fsdp``), and when the program imports torch's pipelining only after ``fully_shard``.
 """
+
+import sys
 
 import pytest
 import torch
@@ -38,7 +42,9 @@ def _batch(step: int, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(MICRO * ROWS, DIM, generator=gen), torch.randn(MICRO * ROWS, DIM, generator=gen)
 
 
-def _train(schedule: str, compat: bool, reshard: bool = True) -> dict:
+def _train(schedule: str, compat: bool, reshard: bool = True, late_import: bool = False) -> dict:
+    if late_import:  # this process imports torch's pipelining anew, after fully_shard (as a fresh program would)
+        return _with_pipelining_unimported(_train, schedule, compat, reshard)
     if compat:
         from fsdp_compose_compat import use_as_torch_fsdp
 
@@ -47,8 +53,9 @@ def _train(schedule: str, compat: bool, reshard: bool = True) -> dict:
     else:
         from fsdp_compose import fully_shard
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.pipelining import PipelineStage, schedules
 
+    if "torch.distributed.pipelining" in sys.modules:
+        from torch.distributed.pipelining import PipelineStage, schedules
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     pp_rank, dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
     looped = schedule in ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble")
@@ -64,6 +71,8 @@ def _train(schedule: str, compat: bool, reshard: bool = True) -> dict:
         for block in module.blocks:
             fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
         fully_shard(module, mesh=mesh["dp"])
+    if "torch.distributed.pipelining" not in sys.modules:  # late_import: only now, after every fully_shard
+        from torch.distributed.pipelining import PipelineStage, schedules
     stages = [PipelineStage(modules[i], i, n_stages, torch.device("cpu"), group=mesh["pp"].get_group()) for i in mine]
     run = getattr(schedules, f"Schedule{schedule}")(stages if looped else stages[0], n_microbatches=MICRO, loss_fn=_mse)
     opt = torch.optim.SGD([p for m in modules.values() for p in m.parameters()], lr=0.1)
@@ -95,14 +104,37 @@ def _train(schedule: str, compat: bool, reshard: bool = True) -> dict:
     return {"groups": 3 * len(mine), "reduce_scatters": reduce_scatters, "grad_diff": grad_diff, "param_diff": param_diff}
 
 
+def _with_pipelining_unimported(fn, *args):
+    """``fn(*args)`` in this worker with ``torch.distributed.pipelining`` not imported (``fn`` imports it
+    again, as new module objects); the modules that were there are put back after."""
+    import torch.distributed
+
+    # the package and the two modules install() patches; the rest (which registers operators) stays
+    names = ["torch.distributed.pipelining", "torch.distributed.pipelining.stage", "torch.distributed.pipelining.schedules"]
+    saved = {n: sys.modules.pop(n) for n in names if n in sys.modules}
+    attribute = torch.distributed.__dict__.pop("pipelining", None)
+    try:
+        return fn(*args)
+    finally:
+        sys.modules.update(saved)
+        if attribute is not None:
+            torch.distributed.pipelining = attribute
+
+
 @pytest.mark.parametrize(
-    "schedule, compat",
-    [("GPipe", False), ("1F1B", False), ("Interleaved1F1B", False), ("LoopedBFS", False), ("1F1B", True)],
+    "schedule, compat, late_import",
+    [
+        ("GPipe", False, False),
+        ("1F1B", False, False),
+        ("Interleaved1F1B", False, False),
+        ("LoopedBFS", False, False),
+        ("1F1B", True, False),
+        ("1F1B", False, True),
+    ],
 )
-def test_pipeline_schedule_reduces_once_per_step(schedule, compat):
-    for r in run_on_ranks(4, _train, schedule, compat):  # every rank
-        # the first step also runs the schedule's shape inference; from the second on, one per group
-        assert r["reduce_scatters"][1:] == [r["groups"]] * (STEPS - 1), r
+def test_pipeline_schedule_reduces_once_per_step(schedule, compat, late_import):
+    for r in run_on_ranks(4, _train, schedule, compat, True, late_import):  # every rank of every stage
+        assert r["reduce_scatters"] == [r["groups"]] * STEPS, r  # step 0 (the metadata inference) included
         assert max(r["grad_diff"], r["param_diff"]) <= 1e-5, r
 
 
@@ -118,7 +150,7 @@ def test_zero_bubble_schedules_train_without_resharding_and_refuse_it(schedule):
     blocks resharded, the shards (torch's FSDP2 then drops those gradients silently). Without
     resharding they train at parity; with it, every rank raises at the first step."""
     for r in run_on_ranks(4, _train, schedule, False, False):
-        assert r["reduce_scatters"][1:] == [r["groups"]] * (STEPS - 1), r
+        assert r["reduce_scatters"] == [r["groups"]] * STEPS, r
         assert max(r["grad_diff"], r["param_diff"]) <= 1e-5, r
     for r in run_on_ranks(4, _train, schedule, False, True):
         assert "reshard_after_forward=False" in r["error"], r

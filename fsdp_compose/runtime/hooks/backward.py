@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import get_gradient_edge
 
-from ..param_grad import stash_grad
+from ..param_grad import refuse_backward_through_grad, stash_grad
 from ..schedule import (
     backward_prefetch_targets,
     end_backward,
@@ -28,6 +28,7 @@ def queue_end_of_backward(root: RootState) -> None:
     if root.phase == IN_BACKWARD:
         return
     root.phase = IN_BACKWARD
+    root.creates_graph = torch.is_grad_enabled()  # in a hook, grad mode is the backward's create_graph
     torch.autograd.Variable._execution_engine.queue_callback(lambda: end_of_backward(root))
 
 
@@ -185,6 +186,10 @@ def end_of_backward(root: RootState, held: bool = False) -> None:
     issue_reductions(root)
     if root.root_module_state.settings.is_last_backward:
         wait_all_reductions(root)
+        if root.creates_graph:
+            for state in root.states:
+                for p in state.group.trainable:
+                    refuse_backward_through_grad(p, state.group.label)
     for state in root.states:
         reset_backward(state)
     end_backward(root)
