@@ -75,13 +75,13 @@ def _unreduced(metadata_backward: Callable) -> Callable:
         if not isinstance(self.submod, FSDPModule):
             return metadata_backward(self, *args, **kwargs)
         states = [state for _, state in states_in(self.submod)]
-        syncing = [state.requires_gradient_sync for state in states]
+        syncing = [state.settings.requires_gradient_sync for state in states]
         self.submod.set_requires_gradient_sync(False)
         try:
             return metadata_backward(self, *args, **kwargs)
         finally:
             for state, sync in zip(states, syncing):
-                state.requires_gradient_sync = sync
+                state.settings.requires_gradient_sync = sync
                 for p in state.group.trainable:
                     clear_unsharded_grad(p)
 
