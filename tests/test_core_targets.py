@@ -12,8 +12,8 @@ from tests.harness import run_on_ranks
 from tools import core_targets
 
 # Ceilings are today's figures; their history is in docs/benchmarks.md and git, not here.
-API_AND_RUNTIME_LINES_CEILING = 4816
-CORE_LINES_CEILING = 5365  # the package but its extras (extras/, optim/; issue 35)
+API_AND_RUNTIME_LINES_CEILING = 5150
+CORE_LINES_CEILING = 5699  # the package but its extras (extras/, optim/; issue 35)
 FILES_OVER_400_CEILING: set[str] = set()
 PRE_FORWARD_MODULES_CEILING = 6
 FUNCTION_LEVEL_IMPORTS_CEILING = 0

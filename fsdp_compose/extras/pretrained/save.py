@@ -21,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ... import FSDPModule
+
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
 from .local_region import region_of
 from .model_tensors import ModelTensor, checkpoint_tensors
@@ -195,8 +197,6 @@ def _write_configs(model: nn.Module, path: str) -> None:
 
 def _model_class(model: nn.Module) -> type:
     """The model's class before ``fully_shard`` swapped in its subclass."""
-    from fsdp_compose import FSDPModule
-
     for cls in type(model).__mro__:
         if not issubclass(cls, FSDPModule):
             return cls
