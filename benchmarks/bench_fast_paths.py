@@ -57,7 +57,7 @@ FAST_PATHS: dict[str, tuple[str, list[Rewrite]]] = {
          Rewrite("fsdp_compose.runtime.group:ParamGroup._finish_unshard", "grad_off()", "torch.no_grad()"),
          Rewrite("fsdp_compose.runtime.group:ParamGroup.reshard", "grad_off()", "torch.no_grad()"),
          Rewrite("fsdp_compose.runtime.group:ParamGroup.start_reduce", "grad_off()", "torch.no_grad()"),
-         Rewrite("fsdp_compose.runtime.group:ParamGroup._issue_reduce_scatter", "grad_off()", "torch.no_grad()")],
+         Rewrite("fsdp_compose.runtime.group:ParamGroup.issue_reduce", "grad_off()", "torch.no_grad()")],
     ),
     "one_input_view_hook": (
         "PostBackwardSignal (an autograd.Function) for a call's single plain input",

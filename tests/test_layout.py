@@ -21,7 +21,10 @@ def _module_imports() -> dict[str, set[str]]:
             if isinstance(node, ast.ImportFrom) and node.level:
                 base = package.split(".")[: len(package.split(".")) - node.level + 1]
                 target = ".".join(base + ([node.module] if node.module else []))
-                deps |= {t for t in [target] + [f"{target}.{a.name}" for a in node.names] if t in names}
+                submodules = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in names]
+                # ``from . import sibling`` imports the sibling; its package is already being imported (implicit)
+                imports_package = node.module is not None or len(submodules) < len(node.names)
+                deps |= {t for t in ([target] if imports_package else []) + submodules if t in names}
         graph[name] = deps
     return graph
 
