@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from .runtime.handshake import disagreement
 from .runtime.state import owner_of, replaced_at
+from .weights_check import differ_across_ranks
 
 _IGNORED_ATTR = "_fsdp_compose_ignored"
 _CHECKED_ATTR = "_fsdp_compose_checked_groups"
@@ -73,17 +73,9 @@ def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dic
 
 
 def _unequal_grads(params: list[torch.Tensor], mesh: DeviceMesh, device: torch.device) -> list[torch.Tensor]:
-    """The ``params`` whose gradients differ across the ranks of ``mesh``: each one's float64 sum and sum
-    of squares (zeros without a gradient) compared as ``handshake.disagreement`` compares its rounds."""
-    with torch.no_grad():
-        prints = []
-        for p in params:
-            g = p.grad.detach().double() if p.grad is not None else torch.zeros(1, dtype=torch.float64)
-            prints.append(torch.stack([g.sum(), g.square().sum()]).to(device))
-        mine = torch.nan_to_num(torch.stack(prints), nan=1.0e300).flatten()
-        groups = tuple(mesh.get_group(dim) for dim in range(mesh.ndim))
-        found = disagreement(torch.cat([mine, -mine]), groups, "the optimizer check's comparison of gradients")
-        differs = (found[: mine.numel()] | found[mine.numel() :]).view(-1, 2).any(dim=1).tolist()
+    """The ``params`` whose gradients (zeros without one) differ across the ranks of ``mesh``."""
+    grads = [p.grad.detach() if p.grad is not None else torch.zeros(1) for p in params]
+    differs = differ_across_ranks(grads, mesh, device, "the optimizer check's comparison of gradients")
     return [p for p, different in zip(params, differs) if different]
 
 

@@ -48,14 +48,20 @@ def unequal_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh
     pieces = {name: p.to_local() if hasattr(p, "to_local") else p for name, p in params.items()}  # TP: this rank's
     if any(is_fake(v) for v in pieces.values()):  # a fake run: every rank fake, nothing to compare
         return []
-    with torch.no_grad():
-        # every rank sends one fingerprint per parameter, values or not: a rank that skipped the all-reduce
-        # (its model on meta while rank 0's holds pretrained weights) would leave the others waiting in it
-        prints = torch.stack([_fingerprint(v, device) for v in pieces.values()]).flatten()
-        name = f"fully_shard({owner})'s comparison of weights"
-        found = disagreement(torch.cat([prints, -prints]), _groups(mesh), name)
-        differs = (found[: prints.numel()] | found[prints.numel() :]).view(-1, 2).any(dim=1).tolist()
+    # every rank sends one fingerprint per parameter, values or not: a rank that skipped the all-reduce
+    # (its model on meta while rank 0's holds pretrained weights) would leave the others waiting in it
+    differs = differ_across_ranks(list(pieces.values()), mesh, device, f"fully_shard({owner})'s comparison of weights")
     return [name for name, different in zip(pieces, differs) if different]
+
+
+def differ_across_ranks(values: list[torch.Tensor], mesh: DeviceMesh, device: torch.device, name: str) -> list[bool]:
+    """For each of ``values``, whether the ranks of ``mesh`` hold different ones (their ``_fingerprint``s
+    compared as ``handshake.disagreement`` compares its rounds): one all-reduce per mesh dim, the same
+    answer on every rank. The weights check compares parameters; the optimizer check, gradients."""
+    with torch.no_grad():
+        prints = torch.stack([_fingerprint(v, device) for v in values]).flatten()
+        found = disagreement(torch.cat([prints, -prints]), _groups(mesh), name)
+        return (found[: prints.numel()] | found[prints.numel() :]).view(-1, 2).any(dim=1).tolist()
 
 
 def defer_verdict(state: GroupState, unequal: list[str]) -> None:
