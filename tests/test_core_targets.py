@@ -53,8 +53,8 @@ def test_pre_forward_touches_no_more_modules():
 
 # issue 35's measures (tools/core_targets.py): code lines, and the files a whole step runs through;
 # the ceilings are today's figures, lowered as the restructuring lands
-API_AND_RUNTIME_CODE_LINES_CEILING = 3316
-CORE_CODE_LINES_CEILING = 3688
+API_AND_RUNTIME_CODE_LINES_CEILING = 3310
+CORE_CODE_LINES_CEILING = 3682
 STEP_FILES_CEILING = {"forward": 7, "backward": 7}  # torch's FSDP2: 6 and 5
 
 
