@@ -33,7 +33,7 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 
 
 def _states(model):
-    from fsdp_compose.runtime.state import state_of
+    from fsdp_compose._runtime.state import state_of
 
     return {id(s): s for m in model.modules() if (s := state_of(m)) is not None}.values()
 
@@ -41,7 +41,7 @@ def _states(model):
 def build(mode: str):
     """``mode``: a FSDP_COMPOSE_CHECK_ORDER value, or "all-gathers" (the default before issue 24 on gloo:
     handshakes before all-gathers only, so divergence in backward could still reach gloo's abort)."""
-    from fsdp_compose.runtime import handshake
+    from fsdp_compose._runtime import handshake
 
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if mode == "all-gathers" else mode
     kinds = handshake.handshake_kinds
@@ -77,8 +77,8 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             if step:  # the first step is warm-up
                 times[mode].append(time.perf_counter() - started)
     # the handshake alone, for a bound that machine noise cannot blur: latency x count per step
-    from fsdp_compose.runtime import handshake
-    from fsdp_compose.runtime.handshake import ALL_GATHER, Handshakes
+    from fsdp_compose._runtime import handshake
+    from fsdp_compose._checks.order import ALL_GATHER, Handshakes
 
     kinds = handshake.handshake_kinds
     handshake.handshake_kinds = lambda: (frozenset((ALL_GATHER,)), frozenset((ALL_GATHER,)))

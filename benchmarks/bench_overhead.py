@@ -238,8 +238,8 @@ def label_cost(run_step, model) -> str:
     """What the profiler labels cost when no profiler runs: calls per step x cost of one call."""
     import time
 
-    import fsdp_compose.runtime.group as group_module
-    from fsdp_compose.runtime.state import states_in
+    import fsdp_compose._runtime.group as group_module
+    from fsdp_compose._runtime.state import states_in
 
     original, calls = group_module.labelled, [0]
 

@@ -85,7 +85,7 @@ def make_runner(kind: str, base: GPT, args=None):
         use_shm(model)
     elif kind == OURS_UNCHECKED:  # read when fully_shard runs
         from fsdp_compose import fully_shard
-        from fsdp_compose.runtime.handshake import CHECK_ENV
+        from fsdp_compose._checks.order import CHECK_ENV
 
         before = os.environ.get(CHECK_ENV)
         os.environ[CHECK_ENV] = "0"
@@ -153,7 +153,7 @@ def time_handshakes() -> dict:
     loose upper bound."""
     import time
 
-    from fsdp_compose.runtime.handshake import Ledger
+    from fsdp_compose._checks.order import Ledger
 
     spent = {"seconds": 0.0, "cpu": 0.0, "calls": 0}
     original = Ledger.close_round

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 from torch.distributed import ProcessGroup
 
-from fsdp_compose.runtime.collectives import GATHER_METHOD, SCATTER_METHOD
+from fsdp_compose._runtime.collectives import GATHER_METHOD, SCATTER_METHOD
 
 COUNTED = {GATHER_METHOD: "gather", SCATTER_METHOD: "scatter"}  # this torch's names for them
 

@@ -1,7 +1,7 @@
 """The GPU check: one command that shows, on one NVIDIA GPU, that fsdp_compose trains right and fast.
 
     pip install --no-deps -e . && python benchmarks/gpu_check.py    # about 8 minutes at most on one GPU
-    python benchmarks/gpu_check.py --quick                           # small sizes (tests/test_gpu_check.py, CPU)
+    python benchmarks/gpu_check.py --quick                           # small sizes (tests/meta/test_gpu_check.py, CPU)
 
 It prints one table, ours beside torch's FSDP2 on the same model and data, and exits non-zero when a
 check fails. It needs nothing beyond torch and this checkout (no network, no extras). Without a GPU

@@ -17,16 +17,16 @@ the core imports no extra.
 
 import importlib
 
-from .api import fully_shard
-from .comm import AllGather, Comm, ReduceScatter
-from .forward_methods import register_fsdp_forward_method
-from .module import FSDPModule, UnshardHandle
-from .module_settings import share_comm_ctx
-from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from .runtime.collectives import CollectiveError
-from .runtime.handshake import ExecutionOrderError
-from .placement import ShardPlacementResult
-from .spmd_mesh import DataParallelMeshDims
+from .api.fully_shard import fully_shard
+from .api.comm import AllGather, Comm, ReduceScatter
+from .api.forward_methods import register_fsdp_forward_method
+from .api.module import FSDPModule, UnshardHandle
+from .api.module_settings import share_comm_ctx
+from .api.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from ._runtime.collectives import CollectiveError
+from ._checks.order import ExecutionOrderError
+from .api.placement import ShardPlacementResult
+from .api.spmd_mesh import DataParallelMeshDims
 from .whole_model.clip import clip_grad_norm_
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params

@@ -18,15 +18,15 @@ import importlib
 import sys
 from types import TracebackType
 
-from fsdp_compose.api import fully_shard
-from fsdp_compose.comm import AllGather, Comm, ReduceScatter
-from fsdp_compose.forward_methods import register_fsdp_forward_method
-from fsdp_compose.module import FSDPModule, UnshardHandle
-from fsdp_compose.module_settings import share_comm_ctx
-from fsdp_compose.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
-from fsdp_compose.spmd_mesh import DataParallelMeshDims
+from fsdp_compose.api.fully_shard import fully_shard
+from fsdp_compose.api.comm import AllGather, Comm, ReduceScatter
+from fsdp_compose.api.forward_methods import register_fsdp_forward_method
+from fsdp_compose.api.module import FSDPModule, UnshardHandle
+from fsdp_compose.api.module_settings import share_comm_ctx
+from fsdp_compose.api.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from fsdp_compose.api.spmd_mesh import DataParallelMeshDims
 
-# the public FSDP2 names (all of them: tests/test_surface.py checks), and the comm protocol
+# the public FSDP2 names (all of them: tests/api/test_surface.py checks), and the comm protocol
 # classes trainers import from the private module
 OUR_NAMES: dict[str, object] = {
     "fully_shard": fully_shard,

@@ -9,7 +9,7 @@ segments, chunks, growth, a full ``/dev/shm`` and the errors.
 
 It is a package of its own, beside ``fsdp_compose``, because it is CPU-only machinery a job opts
 into: the core never names it, and it plugs in through the public ``set_custom_all_gather`` /
-``set_custom_reduce_scatter``, using only ``fsdp_compose``'s public names and ``fsdp_compose.views``.
+``set_custom_reduce_scatter``, using only ``fsdp_compose``'s public names and ``fsdp_compose.extras_api``.
 
 Each rank owns one segment in two halves; collective ``n`` on a group uses half ``n % 2``. A rank
 copies its contribution into its half, then a *sync* (a tiny gloo all-gather of ``[magic, kind,
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_compose import AllGather, ExecutionOrderError, FSDPModule, ReduceScatter, views
+from fsdp_compose import AllGather, ExecutionOrderError, FSDPModule, ReduceScatter, extras_api
 
 CHUNK_ENV = "FSDP_COMPOSE_SHM_CHUNK_BYTES"
 DEFAULT_CHUNK = 8 << 20
@@ -196,9 +196,9 @@ class ShmTransport:
         """The sync; like every collective of ours, issued inside the runtime's ``python_free_tls``."""
         counters.syncs += 1
         try:
-            work = getattr(self.group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
+            work = getattr(self.group, extras_api.GATHER_METHOD)(rows, mine, extras_api.ASYNC_ALL_GATHER)
             if work is not None:
-                views.wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
+                extras_api.wait_named(work, lambda: f"the shared-memory sync of a {KINDS[kind]} over ranks {self._ranks()}")
         except BaseException:
             self._abandon()
             raise
@@ -247,7 +247,7 @@ class ShmTransport:
             if region is not None:
                 region.copy_(by_byte[self.rank, start : start + size])
             if not self._sync(ALL_GATHER, nbytes, region is not None):  # a rank had no room: over gloo
-                return views.DIRECT_ALL_GATHER(output, mine, self.group, async_op)
+                return extras_api.DIRECT_ALL_GATHER(output, mine, self.group, async_op)
             for rank, peer in enumerate(self.peers):
                 if rank != self.rank:
                     by_byte[rank, start : start + size].copy_(peer.region(self.calls % 2, size))
@@ -269,7 +269,7 @@ class ShmTransport:
             if region is not None:
                 region.view(dtype).view(self.world, end - start).copy_(table[:, start:end])
             if not self._sync(REDUCE_SCATTER, nbytes, region is not None):  # only at the first block
-                return views.DIRECT_REDUCE_SCATTER(output, input, self.group, async_op=async_op)
+                return extras_api.DIRECT_REDUCE_SCATTER(output, input, self.group, async_op=async_op)
             index = self.calls % 2
             parts = [p.region(index, size).view(dtype).view(self.world, end - start)[self.rank] for p in self.peers]
             torch.add(parts[0], parts[1], out=output[start:end])
@@ -282,7 +282,7 @@ class ShmTransport:
 
 def _completed(async_op: bool):
     """The protocol's return value for a collective that is done: a completed work, or ``None``."""
-    return views.COMPLETED if async_op else None
+    return extras_api.COMPLETED if async_op else None
 
 
 def _empty(size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -297,7 +297,7 @@ class ShmAllGather(AllGather):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group, async_op: bool = False):
         transport = transport_for(group, output_tensor.device)
         if transport is None:
-            return views.DIRECT_ALL_GATHER(output_tensor, input_tensor, group, async_op)
+            return extras_api.DIRECT_ALL_GATHER(output_tensor, input_tensor, group, async_op)
         return transport.all_gather(output_tensor, input_tensor, async_op)
 
 
@@ -311,7 +311,7 @@ class ShmReduceScatter(ReduceScatter):
     ):
         transport = transport_for(group, output_tensor.device)
         if transport is None:
-            return views.DIRECT_REDUCE_SCATTER(output_tensor, input_tensor, group, op, async_op)
+            return extras_api.DIRECT_REDUCE_SCATTER(output_tensor, input_tensor, group, op, async_op)
         return transport.reduce_scatter(output_tensor, input_tensor, async_op)
 
 
@@ -375,9 +375,9 @@ def _set_up(group) -> ShmTransport | None:
         dtype=torch.int64,
     )
     rows = mine.new_empty(group.size() * 5)
-    work = getattr(group, views.GATHER_METHOD)(rows, mine, views.ASYNC_ALL_GATHER)
+    work = getattr(group, extras_api.GATHER_METHOD)(rows, mine, extras_api.ASYNC_ALL_GATHER)
     if work is not None:
-        views.wait_named(work, f"the shm transport's set-up over ranks {dist.get_process_group_ranks(group)}")
+        extras_api.wait_named(work, f"the shm transport's set-up over ranks {dist.get_process_group_ranks(group)}")
     table = rows.view(-1, 5).tolist()
     counters.set_ups += 1
     if all(row[1] == table[0][1] and row[3] == 1 for row in table):

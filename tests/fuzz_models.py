@@ -1,4 +1,4 @@
-"""A seeded generator of random module trees for parity fuzzing (tests/test_fuzz.py).
+"""A seeded generator of random module trees for parity fuzzing (tests/api/test_fuzz.py).
 
 Every node maps a ``(batch, width)`` float tensor to ``(batch, width')``. Leaves are Linear,
 LayerNorm, Embedding (indices derived from the input) and Conv1d layers with odd sizes;

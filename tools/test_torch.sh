@@ -2,7 +2,7 @@
 # Run the tests on another torch release, in a virtual environment of its own:
 #
 #     bash tools/test_torch.sh 2.11.0                  # the whole suite
-#     bash tools/test_torch.sh 2.14.1 tests/test_api.py -x
+#     bash tools/test_torch.sh 2.14.1 tests/api/test_fully_shard.py -x
 #
 # The environment is ${FSDP_COMPOSE_VENVS:-~/.cache/fsdp_compose/venvs}/torch-VERSION, made once and reused
 # while it holds that torch. Releases other than the local 2.13 CPU build come from the registry as CUDA

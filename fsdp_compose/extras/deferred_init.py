@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..views import group_facts, groups_in, write_full
+from ..extras_api import group_facts, groups_in, write_full
 
 
 def _reset(module: nn.Module) -> None:

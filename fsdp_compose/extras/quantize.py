@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..views import owner_of, set_gather_codec
+from ..extras_api import owner_of, set_gather_codec
 from .quantized_gather import BlockQuantized
 
 _WIRE_DTYPES = (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..views import row_layout
+from ..extras_api import row_layout
 
 _CHUNK_ELEMENTS = 1 << 16  # dequantized per step into the unsharded weight: 256 KiB of fp32
 

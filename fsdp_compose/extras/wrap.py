@@ -15,7 +15,7 @@ from typing import Any
 from torch import nn
 
 from .. import fully_shard
-from ..views import group_facts, group_of
+from ..extras_api import group_facts, group_of
 
 Overrides = dict[str, Any]
 Selection = dict[nn.Module, Overrides]

@@ -1,7 +1,7 @@
 """Full parameters gathered straight from the shards, outside training: what ``full_state_dict``
 and ``summon_full_params`` show.
 
-The group's unshard (``runtime/group.py``) fills the persistent unsharded parameters for forward and
+The group's unshard (``_runtime/group.py``) fills the persistent unsharded parameters for forward and
 backward, in the gather dtype and through the all-gather extension protocol. Whole-model views
 must work whatever state the group is in and show exact values, so this reads each parameter's
 local shard (the source of truth) and gathers a group's shards as bytes in one collective: an
@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..runtime.collectives import CommStats, GatherLayout, all_gather_flat
-from ..runtime.extensions import has_protocol, is_wrapper_subclass
-from ..runtime.params import ShardedParam
+from .._runtime.collectives import CommStats, GatherLayout, all_gather_flat
+from .._runtime.extensions import has_protocol, is_wrapper_subclass
+from .._runtime.params import ShardedParam
 
 
 def gather_full_params(

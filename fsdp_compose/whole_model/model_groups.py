@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..runtime.state import IN_BACKWARD, GroupState, states_in
+from .._runtime.state import IN_BACKWARD, GroupState, states_in
 
 
 def group_states(module: nn.Module) -> list[GroupState]:

@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ..runtime.params import ShardedParam
-from ..runtime.state import GroupState
+from .._runtime.params import ShardedParam
+from .._runtime.state import GroupState
 from .full_gather import gather_full_params
 from .model_groups import check_idle, group_states, reshard_idle
 

@@ -14,9 +14,9 @@ from functools import partial
 import torch
 from torch import nn
 
-from ..runtime.params import ShardedParam
-from ..runtime.refresh import follow_module
-from ..runtime.state import GroupState
+from .._runtime.params import ShardedParam
+from .._runtime.refresh import follow_module
+from .._runtime.state import GroupState
 from .model_groups import check_idle
 
 

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..runtime.params import ShardedParam
-from ..runtime.unsharded import use
+from .._runtime.params import ShardedParam
 from .full_gather import gather_full_params
 from .model_groups import group_states, reshard_idle
 
@@ -87,4 +86,4 @@ def summon_full_params(
                 _write_back(p, full, with_grads)
         for p, full in exposed:
             full.grad = None  # full gradients live as long as the context
-            use(p, unsharded=False)
+            p.use(unsharded=False)

@@ -16,7 +16,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from fsdp_compose import FSDPModule, fully_shard
-from fsdp_compose.runtime.state import state_of
+from fsdp_compose._runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import DIM, HIDDEN, VOCAB, Block, TinyLM, assert_parity, default_step, train_against_reference
 

@@ -1,6 +1,6 @@
 """torch.compile composed with fully_shard: blocks compiled before or after sharding, and the whole model.
 
-A sharded module's call and fully_shard's hooks run eagerly (runtime/hooks/forward.py); only
+A sharded module's call and fully_shard's hooks run eagerly (_runtime/hooks/forward.py); only
 ``forward`` is compiled, so a block compiled with ``fullgraph=True`` (torchtitan's
 ``block.compile(fullgraph=True)`` before ``fully_shard(block)``) compiles as one graph. Each case
 trains 3 steps on gloo ranks against an unsharded model on the global batch.

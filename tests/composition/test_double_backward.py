@@ -4,7 +4,7 @@ create_graph=True)``, then ``.backward()`` through the graph it created) trains 
 Both torch's FSDP2 and fsdp_compose used to free the unsharded parameters at the end of the
 gradient-only backward, which the created graph still reads: a crash (or wrong gradients) in the
 step's backward. That backward now only gathers, and the groups stay gathered until the step's
-backward ends (runtime/hooks/backward.py, ``begin_graph_only``).
+backward ends (_runtime/hooks/backward.py, ``begin_graph_only``).
 """
 
 import pytest
@@ -68,7 +68,7 @@ def test_gradient_penalty_at_three_ranks():
 
 def _without_the_private_check() -> str:
     """The fallback where torch lacks ``_will_engine_execute_node``: a clear error naming the group."""
-    from fsdp_compose.runtime.hooks import backward
+    from fsdp_compose._runtime.hooks import backward
 
     saved, backward._will_execute_node = backward._will_execute_node, None
     try:

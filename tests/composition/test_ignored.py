@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_compose import FSDPModule, ModuleWrapPolicy, apply_fully_shard
-from fsdp_compose.runtime.state import owner_of
+from fsdp_compose._runtime.state import owner_of
 from tests.harness import run_on_ranks
 from tests.models import Block, TinyLM, assert_parity, default_step, train_against_reference
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from fsdp_compose.runtime.state import state_of
+from fsdp_compose._runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
 from tests.runtime.test_collectives import record_gathers

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime.state import state_of
+from fsdp_compose._runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import DIM, VOCAB, TinyLM, assert_parity, lm_loss, train_against_reference
 from tests.runtime.test_collectives import count_collectives

@@ -10,7 +10,7 @@ from expecttest import assert_expected_inline
 from torch.distributed import ProcessGroup
 
 from fsdp_compose import FSDPModule
-from fsdp_compose.runtime.collectives import GATHER_METHOD, SCATTER_METHOD
+from fsdp_compose._runtime.collectives import GATHER_METHOD, SCATTER_METHOD
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, lm_loss, shard_blocks_then_root
 
@@ -30,7 +30,7 @@ WATCHED = [
 
 
 def _from_handshake() -> bool:
-    """The order-check handshake (runtime/handshake.py) and the shared-memory transport's syncs
+    """The order-check handshake (_checks/order.py) and the shared-memory transport's syncs
     (fsdp_compose_shm/__init__.py) move no parameter data: not data collectives."""
     return sys._getframe(2).f_code.co_filename.endswith(("handshake.py", "fsdp_compose_shm/__init__.py"))
 
@@ -134,7 +134,7 @@ no_grad_forward: [('all_gather_single', 4)]""",
 
 
 def _module_interface():
-    from fsdp_compose.runtime.state import state_of
+    from fsdp_compose._runtime.state import state_of
     from tests.models import Block
 
     torch.manual_seed(0)

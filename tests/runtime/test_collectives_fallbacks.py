@@ -1,4 +1,4 @@
-"""The fallbacks of runtime/collectives.py for torch 2.11 and 2.12, run on whatever torch is installed:
+"""The fallbacks of _runtime/collectives.py for torch 2.11 and 2.12, run on whatever torch is installed:
 their collective names (``_allgather_base`` / ``_reduce_scatter_base``, which torch 2.13 keeps) and a
 backward that stashes no context in TLS. CI also runs the whole suite on torch 2.11.0 (tools/test_torch.sh)."""
 
@@ -7,7 +7,7 @@ from collections import Counter
 import torch
 from torch.distributed import ProcessGroup
 
-from fsdp_compose.runtime import collectives
+from fsdp_compose._runtime import collectives
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 

@@ -1,10 +1,10 @@
-"""The gradient divide policy as one pure function (``runtime/group.py:divide_factors``), without a process group:
+"""The gradient divide policy as one pure function (``_runtime/group.py:divide_factors``), without a process group:
 the collectives only sum, and ``pre * post`` is always the whole divisor."""
 
 import pytest
 import torch
 
-from fsdp_compose.runtime.group import divide_factors
+from fsdp_compose._runtime.group import divide_factors
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ Each configuration the suite trains runs two AdamW steps on fake tensors (``Fake
 any host read raises) with torch's fake process group, all in one process
 (tests/runtime/fake_backend_configs.py, run in a subprocess: the test process may hold a gloo
 group). Ranks that diverge on such a backend are still named, once the step's backward ends
-(runtime/handshake.py), shown on torch's threaded process group.
+(_checks/order.py), shown on torch's threaded process group.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime.handshake import ExecutionOrderError
+from fsdp_compose._checks.order import ExecutionOrderError
 from tests.runtime.test_threaded_ranks import _ThreadedRanks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

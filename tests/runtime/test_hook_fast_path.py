@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from fsdp_compose.runtime.hooks.forward import attach_post_backward_signal, cast_floating, plain_tensor_args
+from fsdp_compose._runtime.hooks.forward import attach_post_backward_signal, cast_floating, plain_tensor_args
 
 Pair = namedtuple("Pair", "a b")
 

@@ -1,7 +1,7 @@
 """A sharded module may modify its input in place (e.g. ``ReLU(inplace=True)`` first).
 
 The post-backward signal on a single plain input is a ``view_as`` with a hook on its node
-(runtime/hooks/backward.py); an in-place op on it replaces that node, so the group's
+(_runtime/hooks/backward.py); an in-place op on it replaces that node, so the group's
 post-backward runs at the end of backward instead, with the same result. Before, the input
 went through an ``autograd.Function`` whose output autograd refuses to modify in place
 ("Output 0 of PostBackwardSignal is a view and is being modified inplace"), as torch's FSDP2's

@@ -3,7 +3,7 @@
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
-from fsdp_compose.runtime.collectives import _NULL, labelled
+from fsdp_compose._runtime.collectives import _NULL, labelled
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
 

@@ -10,10 +10,10 @@ from torch.distributed import ProcessGroup
 from torch.distributed.tensor import Shard
 
 from fsdp_compose import fully_shard
-from fsdp_compose.runtime.collectives import SCATTER_METHOD
+from fsdp_compose._runtime.collectives import SCATTER_METHOD
 from fsdp_compose_shm import counters, use_shm
 from tests.harness import run_on_ranks
-from tests.test_edge_inputs import _parity
+from tests.api.test_edge_inputs import _parity
 
 
 class Narrow(nn.Module):

@@ -1,4 +1,4 @@
-"""Parameters converted or replaced after ``fully_shard`` are followed (``runtime/refresh.py``).
+"""Parameters converted or replaced after ``fully_shard`` are followed (``_runtime/refresh.py``).
 
 ``model.to(torch.float64)`` after ``fully_shard`` must compute in float64 (the gathered
 parameters used to stay float32: "mat1 and mat2 must have the same dtype"), and a parameter

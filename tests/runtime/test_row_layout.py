@@ -1,10 +1,10 @@
-"""The one row geometry (``runtime/unsharded.py:RowLayout``), without a process group: every rank's rows
+"""The one row geometry (``_runtime/rows.py:RowLayout``), without a process group: every rank's rows
 are ``torch.chunk``'s, padding is zeros at the end of each rank's slot, and ``unpad`` undoes the gather."""
 
 import pytest
 import torch
 
-from fsdp_compose.runtime.unsharded import row_layout
+from fsdp_compose._runtime.rows import row_layout
 
 
 def _gathered(shape: tuple[int, ...], dim: int, world: int) -> tuple[torch.Tensor, list]:

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 from expecttest import assert_expected_inline
 
-from fsdp_compose.runtime.group import ParamGroup
-from fsdp_compose.runtime.handshake import ExecutionOrderError
-from fsdp_compose.runtime.state import state_of
+from fsdp_compose._runtime.group import ParamGroup
+from fsdp_compose._checks.order import ExecutionOrderError
+from fsdp_compose._runtime.state import state_of
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, assert_parity, lm_loss, shard_blocks_then_root, train_against_reference
 

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from fsdp_compose.runtime.state import states_in
+from fsdp_compose._runtime.state import states_in
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, shard_blocks_then_root
 

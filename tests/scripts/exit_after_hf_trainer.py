@@ -1,6 +1,6 @@
 """An HF ``Trainer`` run that shards, trains, ``save_model``s, evaluates and exits: run under torchrun.
 
-Run by tests/test_clean_exit.py (``FSDP_COMPOSE_HF_EXIT_RUNS`` times); every run must exit 0
+Run by tests/workarounds/test_gloo_exit.py (``FSDP_COMPOSE_HF_EXIT_RUNS`` times); every run must exit 0
 with no ``terminate called`` in its output. Users saw 2 aborts at exit in 9 runs of such a
 script (issue 24, item 2). The model is sharded by fsdp_compose through accelerate's FSDP2 path
 (``use_as_torch_fsdp()``, docs/trainers.md's CPU recipe); ``--torch`` uses torch's FSDP2 instead.

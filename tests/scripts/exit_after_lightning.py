@@ -1,6 +1,6 @@
 """A Lightning ``Trainer`` on ``ModelParallelStrategy`` that shards with fsdp_compose, then exits normally.
 
-Run by tests/test_clean_exit.py (``FSDP_COMPOSE_LIGHTNING_EXIT_RUNS`` times); every run must exit
+Run by tests/workarounds/test_gloo_exit.py (``FSDP_COMPOSE_LIGHTNING_EXIT_RUNS`` times); every run must exit
 0, print one ``exit_after_lightning rank R: done`` line per rank, and no ``terminate called``.
 Users saw that abort at exit in about 1 of 20 runs of such a script (issue 24, item 2).
 

@@ -1,6 +1,6 @@
 """Train through ``fsdp_compose_shm.use_shm``, destroy the process group and return.
 
-Run by tests/test_clean_exit.py; every run must exit 0. Without the grace period at exit
+Run by tests/workarounds/test_gloo_exit.py; every run must exit 0. Without the grace period at exit
 (``fsdp_compose_shm._let_gloo_threads_finish``) about one run in four aborted at exit
 ("terminate called without an active exception"). torch.multiprocessing.spawn, as in the runs
 that showed it.

@@ -1,7 +1,7 @@
 """Train a tiny sharded model, run the flows a trainer adds around training, destroy the group, return.
 
-Run by tests/test_clean_exit.py many times, spawned (no arguments) and under torchrun; every
-run must exit 0. Before the TLS hiding in runtime/collectives.py about one run in three aborted at exit.
+Run by tests/workarounds/test_gloo_exit.py many times, spawned (no arguments) and under torchrun; every
+run must exit 0. Before the TLS hiding in _runtime/collectives.py about one run in three aborted at exit.
 
 Kept cheap because the test launches it 40 times: the spawning parent imports no torch (the
 abort happens in the ranks' interpreters, which import it), and each rank does only what an

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ...views import reshard_idle
+from ...extras_api import reshard_idle
 from . import integrity
 from .errors import CheckpointError
 from .keys import flatten, format_problems, map_leaves, mismatches

@@ -1,6 +1,6 @@
 """``explain(model)``: the sharding plan of a model, its traffic and its predicted memory.
 
-Reads only local facts (``views.group_facts``), so every rank can call it at any time without
+Reads only local facts (``extras_api.group_facts``), so every rank can call it at any time without
 communicating; ``sample_batch`` is the exception (it runs one
 forward/backward, which every rank must do together).
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...views import (
+from ...extras_api import (
     GroupFacts,
     GroupHandle,
     ScratchSchedule,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...views import group_facts, groups_in, unsharded_parameters
+from ...extras_api import group_facts, groups_in, unsharded_parameters
 from .explain import explain
 from .timeline import UNLABELLED, CollectiveTimeline
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ...views import GroupFacts, GroupHandle, ScratchSchedule
+from ...extras_api import GroupFacts, GroupHandle, ScratchSchedule
 from .plan import GroupSizes
 
 
@@ -71,7 +71,7 @@ def schedules_after_first_step(
 ) -> dict[GroupHandle, ScratchSchedule]:
     """Each group's schedule: a scratch one per root whose first step ran ``orders[root]``.
 
-    The runtime's own schedule functions (``views.ScratchSchedule``) then record the replayed step and give
+    The runtime's own schedule functions (``extras_api.ScratchSchedule``) then record the replayed step and give
     its prefetch targets, so the replay cannot drift from what training does.
     """
     by_root = {

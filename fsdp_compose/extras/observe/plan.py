@@ -1,4 +1,4 @@
-"""What one group costs per step, computed from its facts (``views.group_facts``): sizes, collectives, prefetch.
+"""What one group costs per step, computed from its facts (``extras_api.group_facts``): sizes, collectives, prefetch.
 
 Every figure mirrors the code that moves the bytes (``ParamGroup.start_unshard``,
 ``start_reduce``, ``collectives.py``), so predicted bytes equal what ``CommStats`` counts.
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ...views import GroupFacts, ParamFacts
+from ...extras_api import GroupFacts, ParamFacts
 
 
 @dataclass

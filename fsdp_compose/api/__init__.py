@@ -1,0 +1,1 @@
+"""The public API: fully_shard, FSDPModule and its settings, policies, placement and meshes."""

@@ -1,0 +1,108 @@
+"""estimate(): the fake step's per-rank peak and traffic, checked against real gloo runs of the same step.
+
+The same build functions (tests/extras/observe/estimate_jobs.py) run on real gloo ranks, where a
+``StorageTracker`` measures one step after a warm-up step (the measurement explain's prediction is
+checked against), and in estimate's fake subprocess, once per rank (``like="gloo"``: gloo frees a
+reduce-scatter's input when it is issued). All estimates share one subprocess to save start-ups.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from fsdp_compose import estimate
+from fsdp_compose.extras.observe.estimate import CATEGORIES, estimate_many
+from fsdp_compose.extras.observe.fake_step import traffic
+from fsdp_compose.extras.observe.storage import StorageTracker
+from tests.harness import run_on_ranks
+from tests.extras.observe.estimate_jobs import JOBS, LM, fake_built, fp32
+
+CASES = [(name, world) for name in JOBS for world in (2, 3)]
+
+
+def _real_step(name: str) -> dict:
+    model, optimizer, loss_fn = JOBS[name]()
+    loss_fn().backward()  # warm-up: records the order, creates the optimizer state
+    optimizer.step()
+    optimizer.zero_grad()
+    tracker = StorageTracker()
+    tracker.track_training_state(model, optimizer)
+    before = traffic(model)
+    with tracker:
+        tracker.reset_peak()
+        loss_fn().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = traffic(model)
+    return {"peak": tracker.peak, "traffic": {k: [a - b for a, b in zip(after[k], before[k])] for k in after}}
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    """Every (configuration, world size, rank 0 and last) estimated in one subprocess, started at once
+    and collected when a test needs it, so it runs while the real gloo steps run."""
+    jobs = [(JOBS[name], world, rank) for name, world in CASES for rank in (0, world - 1)]
+    jobs += [(fp32, 2, 0, "nccl"), (fake_built, 2, 0)]
+    with ThreadPoolExecutor(1) as pool:
+        future = pool.submit(estimate_many, jobs, like="gloo", timeout=120)
+
+        def get() -> dict:
+            return {(e.world_size, e.rank, build.__name__, e.like): e for (build, *_), e in zip(jobs, future.result())}
+
+        yield get
+
+
+@pytest.mark.parametrize("name, world", CASES)
+def test_estimated_peak_and_traffic_match_a_real_run(estimates, name, world):
+    reals = run_on_ranks(world, _real_step, name)
+    for rank in (0, world - 1):  # every rank but the last holds the same shards as rank 0
+        real, e = reals[rank], estimates()[(world, rank, name, "gloo")]
+        assert e.collectives == real["traffic"], (rank, e.collectives, real["traffic"])
+        error = e.peak_bytes / real["peak"] - 1
+        assert abs(error) <= 0.05, (name, world, rank, f"{error:+.2%}", e.peak_bytes, real["peak"])
+        assert sum(e.at_peak.values()) == e.peak_bytes
+        assert set(e.at_peak) <= {key for key, _ in CATEGORIES}
+
+
+def test_a_model_built_under_fake_tensor_mode_estimates_like_a_real_one(estimates):
+    """Built in a ``FakeTensorMode`` and sharded outside it, as torchtitan's estimator does: its
+    parameters are FakeTensors, and the estimate is the real model's to the byte."""
+    fake, real = estimates()[(2, 0, "fake_built", "gloo")], estimates()[(2, 0, "fp32", "gloo")]
+    assert (fake.peak_bytes, fake.at_peak, fake.collectives) == (real.peak_bytes, real.at_peak, real.collectives)
+
+
+def test_categories_are_the_tensors_they_name(estimates):
+    """Sharded parameters and optimizer state at the peak are exactly this rank's shards and AdamW's state."""
+    e = estimates()[(2, 0, "fp32", "gloo")]
+    shard_bytes = [4 * -(-p.shape[0] // 2) * (p.numel() // p.shape[0]) for p in LM().parameters()]
+    assert e.at_peak["parameters"] == sum(shard_bytes)
+    assert e.at_peak["optimizer state"] == 2 * sum(shard_bytes) + 4 * len(shard_bytes)  # exp_avg, exp_avg_sq, step
+    for category in ("unsharded parameters", "collective buffers", "unsharded gradients", "activations"):
+        assert e.at_peak[category] > 0, (category, e.at_peak)
+    assert e.phase_peaks["backward"] == e.peak_bytes and e.peak_phase == "backward"
+
+
+def test_like_nccl_holds_reduce_inputs_and_agrees_with_explain(estimates):
+    """``like="nccl"`` (the default) keeps reduce-scatter inputs until the wait, as explain's replay
+    assumes on such backends: the step's largest non-activation memory then matches explain's prediction."""
+    e, gloo = estimates()[(2, 0, "fp32", "nccl")], estimates()[(2, 0, "fp32", "gloo")]
+    assert e.peak_without_activations > gloo.peak_without_activations
+    assert abs(e.peak_without_activations / e.predicted_peak_bytes - 1) <= 0.02, (
+        e.peak_without_activations,
+        e.predicted_peak_bytes,
+    )
+    text = str(e)
+    for line in (
+        "like nccl (reduce-scatter inputs held until their wait)",
+        "activations and temporaries",
+        "explain() predicts",
+        "blocks.1",
+    ):
+        assert line in text, (line, text)
+
+
+def test_a_subprocess_past_its_timeout_is_killed():
+    with pytest.raises(TimeoutError, match="did not finish in 1 s"):
+        estimate(fp32, world_size=2, timeout=1)
