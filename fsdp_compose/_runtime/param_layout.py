@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -91,9 +92,19 @@ def spmd_layout(dp_mesh: DeviceMesh, param: torch.Tensor, fqn: str, dim: int) ->
         )
     if any(p.is_partial() for p in tp_placements):
         raise ValueError(f"parameter '{fqn}' is a Partial DTensor; shard or replicate it before fully_shard")
-    split = param._spec.num_shards_map[dim]  # ways the model-parallel dims already split ``dim``
-    dp_placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    dp_placement = dp_shard_placement(dim, tp_placements, tp_mesh.shape)
     return spmd, [Replicate()] * (dp_mesh.ndim - 1) + [dp_placement, *tp_placements]
+
+
+def dp_shard_placement(dim: int, placements: Sequence[Placement], mesh_shape: Sequence[int]) -> Placement:
+    """The data-parallel shard's placement of tensor dim ``dim``, ahead of model-parallel ``placements`` on mesh
+    dims of sizes ``mesh_shape``: ``Shard(dim)``, or ``_StridedShard`` whose split factor is the ways those dims
+    already split ``dim`` (they chunk first; FSDP splits what each leaves), as torch's FSDP2 lays it out."""
+    split = 1
+    for placement, size in zip(placements, mesh_shape, strict=True):
+        if isinstance(placement, (Shard, _StridedShard)) and placement.dim == dim:
+            split *= size
+    return _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
 
 
 def grad_in_layout(grad: DTensor, spec, dp_dims: frozenset[int]) -> torch.Tensor:

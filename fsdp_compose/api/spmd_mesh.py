@@ -12,8 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.placement_types import Placement
+
+from .._runtime.param_layout import dp_shard_placement
 
 
 def _names(value: str | tuple[str, ...] | None) -> tuple[str, ...]:
@@ -130,11 +132,7 @@ def spmd_shard_layout(
             )
     shard_idx = [names.index(n) for n in dims.shard_names]
     after = shard_idx[-1] + 1
-    split = 1
-    for j, p in enumerate(placements[after:], start=after):
-        if isinstance(p, (Shard, _StridedShard)) and p.dim == dim:
-            split *= mesh.size(j)
-    dp_placement: Placement = _StridedShard(dim, split_factor=split) if split > 1 else Shard(dim)
+    dp_placement = dp_shard_placement(dim, placements[after:], mesh.shape[after:])
     if len(shard_idx) == 1:
         placements[shard_idx[0]] = dp_placement
         return mesh, placements

@@ -1,9 +1,14 @@
 """The one row geometry (``_runtime/rows.py:RowLayout``), without a process group: every rank's rows
-are ``torch.chunk``'s, padding is zeros at the end of each rank's slot, and ``unpad`` undoes the gather."""
+are ``torch.chunk``'s, padding is zeros at the end of each rank's slot, and ``unpad`` undoes the gather; and
+the one ``_StridedShard`` split factor (``_runtime/param_layout.py:dp_shard_placement``)."""
 
 import pytest
 import torch
 
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from fsdp_compose._runtime.param_layout import dp_shard_placement
 from fsdp_compose._runtime.rows import row_layout
 
 
@@ -62,3 +67,14 @@ def test_layouts_are_frozen_values():
     assert a == row_layout(torch.Size((5, 3)), 0, 2, 1)
     with pytest.raises(AttributeError):
         a.rows_per_rank = 4
+
+
+def test_the_data_parallel_shard_is_strided_by_the_ways_model_parallel_dims_split_its_dim():
+    # one split factor for fully_shard on a TP DTensor and on a full SPMD mesh (dp_mesh_dims)
+    assert dp_shard_placement(0, [], []) == Shard(0)
+    assert dp_shard_placement(0, [Shard(1)], [4]) == Shard(0)
+    assert dp_shard_placement(0, [Shard(0)], [4]) == _StridedShard(0, split_factor=4)
+    assert dp_shard_placement(1, [Shard(1), Replicate(), Shard(1)], [2, 3, 5]) == _StridedShard(1, split_factor=10)
+    assert dp_shard_placement(0, [_StridedShard(0, split_factor=2), Shard(0)], [3, 2]) == _StridedShard(0, split_factor=6)
+    with pytest.raises(ValueError):
+        dp_shard_placement(0, [Shard(0)], [2, 2])  # a placement per mesh dim
