@@ -1,5 +1,7 @@
-"""The one row geometry: how a parameter is cut into rows across the shard ranks and padded so that every
-rank sends the same size. A pure function of plain arguments (``row_layout``), tested without a process group."""
+"""The one row geometry: how a tensor is cut into rows across the shard ranks and padded so that every rank
+sends the same size. A pure function of plain arguments (``row_layout``), tested without a process group; the
+runtime, the pretrained loader (a DTensor's box, one mesh dim at a time) and the owner-computed optimizer (every
+rank's rows of a matrix) all read it, the extras through ``extras_api.row_layout``."""
 
 from __future__ import annotations
 
@@ -35,6 +37,10 @@ class RowLayout:
     comm_shape: torch.Size  # the unsharded tensor with the shard dim first: what collectives lay out
     comm_local_shape: torch.Size  # this rank's rows, the shard dim first
     comm_local_strides: tuple[int, ...]
+
+    def rows_of(self, rank: int) -> tuple[int, int]:
+        """``(first row, rows)`` that ``rank`` holds: ``(row_start, local_rows)`` of its own layout."""
+        return _rows_of(self.shape[self.shard_dim], self.rows_per_rank, rank)
 
     def to_comm(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` (laid out like the parameter) with the shard dim first, as collectives see it."""
@@ -75,8 +81,7 @@ def row_layout(shape: torch.Size, shard_dim: int, world: int, rank: int) -> RowL
     others = (*shape[:shard_dim], *shape[shard_dim + 1 :])  # the dims of one row
     row_numel = math.prod(others)
     rows_per_rank = math.ceil(size / world)
-    row_start = min(rank * rows_per_rank, size)
-    local_rows = min(row_start + rows_per_rank, size) - row_start
+    row_start, local_rows = _rows_of(size, rows_per_rank, rank)
     comm_local_shape = torch.Size((local_rows, *others))
     return RowLayout(
         shape=torch.Size(shape),
@@ -93,3 +98,9 @@ def row_layout(shape: torch.Size, shard_dim: int, world: int, rank: int) -> RowL
         comm_local_shape=comm_local_shape,
         comm_local_strides=contiguous_strides(comm_local_shape),
     )
+
+
+def _rows_of(size: int, rows_per_rank: int, rank: int) -> tuple[int, int]:
+    """``torch.chunk``'s part ``rank`` of ``size`` rows in parts of ``rows_per_rank``: ``(first row, rows)``."""
+    start = min(rank * rows_per_rank, size)
+    return start, min(start + rows_per_rank, size) - start

@@ -1,9 +1,10 @@
 """``shard_placement_fn``: parameters sharded on a dim other than 0, uneven sizes included, or on
 a mesh of their own (``ShardPlacementResult``: experts over their expert-data-parallel mesh).
 
-Each rank holds its ``torch.chunk`` of dim ``d``; collectives move ``d`` to the front (``_runtime/storage.py``: ``RowLayout``, ``Staged``:
-copy-in sends the shard transposed, copy-out lands in a staging buffer copied once into the contiguous
-parameter, gradients go and come back the same way), so unevenness is plain dim-0 padding.
+Each rank holds its ``torch.chunk`` of dim ``d``; collectives move ``d`` to the front (``_runtime/rows.py``:
+``RowLayout``; ``_runtime/storage.py``: ``Staged``: copy-in sends the shard transposed, copy-out lands in a
+staging buffer copied once into the contiguous parameter, gradients go and come back the same way), so
+unevenness is plain dim-0 padding.
 """
 
 from __future__ import annotations

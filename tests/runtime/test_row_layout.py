@@ -45,6 +45,17 @@ def test_uneven_and_empty_shards_are_padded_with_zeros_at_the_end_of_their_slot(
     assert gathered.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 0, 0], [0, 0, 0, 0]]
 
 
+@pytest.mark.parametrize("size", [0, 1, 2, 5, 10, 13])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_any_layout_names_every_ranks_rows_as_that_ranks_own_layout_does(size, world):
+    # what the pretrained loader (one mesh dim at a time) and the optimizer exchange (every rank's rows) read
+    layouts = [row_layout(torch.Size((size, 3)), 0, world, rank) for rank in range(world)]
+    for rows in layouts:
+        assert [rows.rows_of(r) for r in range(world)] == [(other.row_start, other.local_rows) for other in layouts]
+    chunks = [len(c) for c in torch.arange(size).chunk(world)]
+    assert [rows.local_rows for rows in layouts] == chunks + [0] * (world - len(chunks))
+
+
 def test_shard_dim_one_rows_are_columns():
     full, layouts, gathered = _gathered((2, 3), 1, 2)
     assert [rows.local_shape for rows in layouts] == [torch.Size((2, 2)), torch.Size((2, 1))]

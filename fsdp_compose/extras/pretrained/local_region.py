@@ -1,11 +1,10 @@
 """Which part of a parameter's full value this rank holds, and where those elements lie in a row-major file.
 
 A parameter sharded by ``fully_shard`` is a DTensor: on each mesh dim a ``Shard(d)`` splits tensor dim ``d``
-the way ``torch.chunk`` does (``ceil(size / n)`` rows per rank, tail ranks short or empty), which is also
-how this library cuts uneven shards. A ``_StridedShard(d)`` (FSDP on top of a tensor-parallel split of the
-same dim) splits the rows the other mesh dims left this rank, so it is applied after them. The result is a
-box, ``(start, size)`` per tensor dim; in the row-major bytes of a safetensors file it is a few contiguous
-runs (one for ``Shard(0)``).
+into the runtime's rows (``row_layout``: ``torch.chunk``'s, as DTensor cuts them, tail ranks short or empty).
+A ``_StridedShard(d)`` (FSDP on top of a tensor-parallel split of the same dim) splits the rows the other mesh
+dims left this rank, so it is applied after them. The result is a box, ``(start, size)`` per tensor dim; in the
+row-major bytes of a safetensors file it is a few contiguous runs (one for ``Shard(0)``).
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ import math
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from ...extras_api import row_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,10 +70,10 @@ def region_of(tensor: torch.Tensor, name: str) -> Region:
         elif hasattr(placement, "split_factor"):  # _StridedShard: splits what the other dims left
             strided.append(mesh_dim)
         else:
-            box[placement.dim] = _chunk(box[placement.dim], mesh.size(mesh_dim), coordinate[mesh_dim])
+            box[placement.dim] = _rows(box[placement.dim], mesh.size(mesh_dim), coordinate[mesh_dim])
     for mesh_dim in reversed(strided):
         dim = placements[mesh_dim].dim
-        box[dim] = _chunk(box[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
+        box[dim] = _rows(box[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
     region = Region(shape, tuple(box), writer)
     local = tuple(tensor.to_local().shape)
     if region.local_shape != local:
@@ -83,10 +84,8 @@ def region_of(tensor: torch.Tensor, name: str) -> Region:
     return region
 
 
-def _chunk(span: tuple[int, int], ways: int, index: int) -> tuple[int, int]:
-    """Part ``index`` of ``span`` cut ``ways`` ways as ``torch.chunk`` cuts (ceil-sized parts, tail short or empty)."""
+def _rows(span: tuple[int, int], ways: int, index: int) -> tuple[int, int]:
+    """Rank ``index``'s rows of ``span`` split ``ways`` ways, as ``fully_shard`` splits them (``row_layout``)."""
     start, size = span
-    per = math.ceil(size / ways) if size else 0
-    begin = min(index * per, size)
-    end = min(begin + per, size)
-    return start + begin, end - begin
+    rows = row_layout(torch.Size((size,)), 0, ways, index)
+    return start + rows.row_start, rows.local_rows
