@@ -1,7 +1,7 @@
 """Moving row-shards of whole matrices to their owner rank and the owner's result back.
 
-A shard group is the process group over which a set of parameters is split row-wise (``Shard(0)``,
-rows as ``torch.chunk`` splits them: the last ranks may hold fewer or none). Each matrix has one
+A shard group is the process group over which a set of parameters is split row-wise (``Shard(0)``, rows as
+``fully_shard`` splits them, ``row_layout``: the last ranks may hold fewer or none). Each matrix has one
 owner in that group. Two ``all_to_all_single`` calls per group and step move every matrix: the
 gradient rows to their owners, the owners' updates back to the rows' holders. Split sizes come from
 shapes alone, so no rank reads a tensor value to plan a collective. Both are started asynchronously,
@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ..extras_api import row_layout
 
 
 def assign_owners(costs: Sequence[int], world_size: int, load: Sequence[int] | None = None) -> list[int]:
@@ -34,26 +36,28 @@ def assign_owners(costs: Sequence[int], world_size: int, load: Sequence[int] | N
     return owners
 
 
-def chunk_rows(total: int, world_size: int) -> list[int]:
-    """Rows each rank holds under ``Shard(0)`` (``torch.chunk``: ceil-sized chunks, the last may be short or empty)."""
-    size = -(-total // world_size) if total else 0
-    return [max(0, min(size, total - r * size)) for r in range(world_size)]
-
-
 @dataclass(frozen=True)
 class Matrix:
-    """One matrix of a shard group: its global shape, owner and the rows each rank holds."""
+    """One matrix of a shard group: its global shape, owner and the rows each rank holds (``from_shape``)."""
 
     rows: int
     cols: int
     owner: int
     row_counts: tuple[int, ...]
+    row_starts: tuple[int, ...]
 
     def numel_on(self, rank: int) -> int:
         return self.row_counts[rank] * self.cols
 
     def row_start(self, rank: int) -> int:
-        return sum(self.row_counts[:rank])
+        return self.row_starts[rank]
+
+    @classmethod
+    def from_shape(cls, shape: torch.Size, owner: int, world_size: int) -> Matrix:
+        """The matrix of ``shape`` ``(rows, cols)``, every rank's ``Shard(0)`` rows as ``fully_shard`` cuts them."""
+        layout = row_layout(shape, 0, world_size, 0)
+        starts, counts = zip(*(layout.rows_of(rank) for rank in range(world_size)))
+        return cls(shape[0], shape[1], owner, counts, starts)
 
 
 @dataclass(frozen=True)

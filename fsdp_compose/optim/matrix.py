@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
-from .exchange import Matrix, Route, ShardGroup, assign_owners, chunk_rows
+from ..extras_api import row_layout
+from .exchange import Matrix, Route, ShardGroup, assign_owners
 from .muon import (
     MUON_COEFFICIENTS,
     adjusted_lr,
@@ -76,10 +77,7 @@ class _Bucket:
         """The collectives' layout for the matrices in ``active`` (indices into ``params``), kept for the next step."""
         if self._route is None or self._route[0] != tuple(active):
             size = self.shard_group.size
-            matrices = [
-                Matrix(p.shape[0], p.shape[1], self.owners[i], tuple(chunk_rows(p.shape[0], size)))
-                for i, p in ((i, self.params[i]) for i in active)
-            ]
+            matrices = [Matrix.from_shape(self.params[i].shape, self.owners[i], size) for i in active]
             self._route = (tuple(active), Route(self.shard_group, matrices))
         return self._route[1]
 
@@ -158,8 +156,9 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             size = bucket.shard_group.size
             held = [0] * size  # Newton-Schulz work of the 3-D batches' matrices each rank holds and computes
             for p in bucket.batches:
-                for r, count in enumerate(chunk_rows(p.shape[0], size)):
-                    held[r] += count * newton_schulz_work(p.shape[1], p.shape[2])
+                rows = row_layout(p.shape, 0, size, 0)
+                for r in range(size):
+                    held[r] += rows.rows_of(r)[1] * newton_schulz_work(p.shape[1], p.shape[2])
             bucket.owners = assign_owners([newton_schulz_work(*p.shape) for p in bucket.params], size, held)
         self._buckets, self._planned_for = list(buckets.values()), key
         return self._buckets
@@ -288,7 +287,7 @@ class OwnerComputedMuon(torch.optim.Optimizer):
             back = torch.bfloat16 if self.update_fn is None else dtype
             calls += 2
             for p, owner in trained:
-                mine = chunk_rows(p.shape[0], sg.size)[sg.rank] * p.shape[1]
+                mine = row_layout(p.shape, 0, sg.size, sg.rank).local_numel
                 nbytes += (p.numel() - mine) * back.itemsize if owner == sg.rank else mine * dtype.itemsize
         return calls, nbytes
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from .exchange import Matrix, ShardGroup, chunk_rows, gather_to_owners, scatter_from_owners
+from .exchange import Matrix, ShardGroup, gather_to_owners, scatter_from_owners
 from .muon import MOMENTUM
 
 
@@ -26,7 +26,7 @@ def common_dtype(params: Sequence[torch.Tensor]) -> torch.dtype:
 
 
 def _matrices(params: Sequence[torch.Tensor], owners: Sequence[int], size: int) -> list[Matrix]:
-    return [Matrix(p.shape[0], p.shape[1], o, tuple(chunk_rows(p.shape[0], size))) for p, o in zip(params, owners)]
+    return [Matrix.from_shape(p.shape, o, size) for p, o in zip(params, owners)]
 
 
 def momentum_to_shards(

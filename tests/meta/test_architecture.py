@@ -26,7 +26,7 @@ TABLE_HEADER = "| layer | files | knows about |"
 # Imports that go up the table on purpose: (importing file, imported file) -> why. Empty: none do.
 ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
 
-# the extras ring: folders of fsdp_compose/ (optim/ imports nothing of ours), and packages beside it
+# the extras ring: folders of fsdp_compose/ (optim/ takes only extras_api's row_layout), and packages beside it
 EXTRA_FOLDERS = ("extras/", "optim/")
 EXTRA_PACKAGES = (REPO / "fsdp_compose_shm",)
 EXTRA_MODULE_PREFIXES = ("fsdp_compose.extras", "fsdp_compose.optim", "fsdp_compose_shm")
@@ -385,9 +385,20 @@ def runtime_reaches(tree: ast.AST) -> list[tuple[int, str]]:
 
 
 def _extras_files() -> list[Path]:
-    """The extras that could hold a runtime object: ``optim/`` imports nothing of ours (the ring test checks)."""
+    """The extras that could hold a runtime object: ``optim/`` takes only ``row_layout`` (checked below)."""
     inside = sorted((PACKAGE / "extras").rglob("*.py"))
     return inside + [p for root in EXTRA_PACKAGES for p in sorted(root.rglob("*.py"))]
+
+
+def test_optim_takes_only_the_row_geometry_of_the_core():
+    imports, taken = package_imports(), set()
+    for path in sorted((PACKAGE / "optim").glob("*.py")):
+        file = path.relative_to(PACKAGE).as_posix()
+        assert {f for f in imports[file] if not f.startswith("optim/")} <= {EXTRAS_API}, file
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").endswith("extras_api"):
+                taken |= {alias.name for alias in node.names}
+    assert taken == {"row_layout"}
 
 
 def test_extras_reach_no_runtime_internals():

@@ -12,7 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compose._runtime.rows import row_layout
 from fsdp_compose.optim import OwnerComputedMuon
+from fsdp_compose.optim.exchange import Matrix
 from fsdp_compose.optim.muon import muon_momentum, muon_momentum_rows
 from tests.harness import run_on_ranks
 
@@ -93,3 +95,13 @@ def test_momentum_in_row_blocks_equals_whole() -> None:
                 muon_momentum_rows(grad[rows], buf[rows], None if out is None else out[rows], 0.95)
             assert torch.equal(buf, whole_state["momentum_buffer"])
             assert torch.equal(buf if out is None else out, expected if out is None else expected.bfloat16())
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_a_matrix_has_every_ranks_rows_as_fully_shard_cuts_them(shape: tuple[int, int], world: int) -> None:
+    m = Matrix.from_shape(torch.Size(shape), 0, world)
+    layouts = [row_layout(torch.Size(shape), 0, world, rank) for rank in range(world)]
+    assert m.row_counts == tuple(rows.local_rows for rows in layouts)
+    assert [m.row_start(r) for r in range(world)] == [rows.row_start for rows in layouts]
+    assert [m.numel_on(r) for r in range(world)] == [rows.local_numel for rows in layouts]

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
+from fsdp_compose._runtime.rows import row_layout
 from fsdp_compose.optim import OwnerComputedMuon, assign_owners, newton_schulz, newton_schulz_work
 from tests.harness import run_on_ranks
 from tests.models import full_value, max_abs_diff
@@ -152,9 +153,7 @@ def test_each_rank_keeps_the_momentum_of_the_experts_it_holds(world: int) -> Non
 
 
 def _expert_counts(world: int) -> list[int]:
-    from fsdp_compose.optim.exchange import chunk_rows
-
-    return chunk_rows(EXPERTS, world)
+    return [row_layout(torch.Size((EXPERTS,)), 0, world, rank).local_rows for rank in range(world)]
 
 
 @pytest.mark.parametrize("adjust_lr_fn", ["original", "match_rms_adamw"])
