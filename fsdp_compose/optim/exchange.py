@@ -38,9 +38,8 @@ def assign_owners(costs: Sequence[int], world_size: int, load: Sequence[int] | N
 
 @dataclass(frozen=True)
 class Matrix:
-    """One matrix of a shard group: its global shape, owner and the rows each rank holds (``from_shape``)."""
+    """One matrix of a shard group: its columns, owner and the rows each rank holds (``from_shape``)."""
 
-    rows: int
     cols: int
     owner: int
     row_counts: tuple[int, ...]
@@ -57,7 +56,7 @@ class Matrix:
         """The matrix of ``shape`` ``(rows, cols)``, every rank's ``Shard(0)`` rows as ``fully_shard`` cuts them."""
         layout = row_layout(shape, 0, world_size, 0)
         starts, counts = zip(*(layout.rows_of(rank) for rank in range(world_size)))
-        return cls(shape[0], shape[1], owner, counts, starts)
+        return cls(shape[1], owner, counts, starts)
 
 
 @dataclass(frozen=True)
