@@ -6,7 +6,9 @@ MASTER_PORT set), so the first block does its own imports and ``init_process_gro
 preceded, on the line just above its fence, by ``<!-- docs-test: skip (reason) -->`` is not
 run, and a page holding ``<!-- docs-test: requires transformers accelerate -->`` is skipped
 unless those modules import (optional extras). The script keeps each block on its page's line
-numbers, so a traceback's line is the line in the page. Pages run two at a time (the next page starts while this one is checked);
+numbers, so a traceback's line is the line in the page. Inside the ranks every warning is an error
+(``warnings.simplefilter("error")``, and ``PYTHONWARNINGS=error`` for processes a page starts): a doc
+example that warns fails its page, so the examples show the API a user should call. Pages run two at a time (the next page starts while this one is checked);
 each has a hard deadline after which both ranks are killed. Ranks fork from a server that has
 torch and fsdp_compose imported, so a page costs its own work, not two interpreter start-ups.
 """
@@ -22,6 +24,7 @@ import signal
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,6 +115,11 @@ def _run_rank(script: str, workdir: str, log: str, env: dict[str, str]) -> None:
     torch.set_num_threads(1)
     sys.argv = [script]
     sys.path.insert(0, workdir)
+    warnings.simplefilter("error")  # a doc example that warns fails its page (-W error)
+    # torch.compile's tracer reads .grad of non-leaf activations and hides the UserWarning that raises by
+    # swapping warnings.showwarning (torch._logging.hide_warnings): a user never sees it, but the "error"
+    # action raises before showwarning runs, so this one message, and only it, is let through
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf Tensor", category=UserWarning)
     runpy.run_path(script, run_name="__main__")
 
 
@@ -150,6 +158,7 @@ class PageRun:
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
                 "GLOO_SOCKET_IFNAME": "lo",
                 "OMP_NUM_THREADS": "1",
+                "PYTHONWARNINGS": "error",  # processes a page starts (mp.spawn, DataLoader workers) too
             }
             log = str(self.workdir / f"rank{rank}.log")
             # not daemonic: a page may start processes of its own (DataLoader workers, mp.spawn)
@@ -259,6 +268,17 @@ def test_a_failing_block_names_its_page_line_and_a_hang_is_killed(tmp_path: Path
     codes, timed_out = run.wait()
     assert timed_out and codes == [None, None]
     assert all(p.exitcode == -signal.SIGKILL for p in run.procs)
+
+
+def test_a_block_that_warns_fails_its_page(tmp_path: Path) -> None:
+    """A warning in a doc example is an error in its ranks, so the page fails and names the warning."""
+    page = tmp_path / "page.md"
+    page.write_text("```python\nimport warnings\n\nwarnings.warn('x is deprecated', FutureWarning)\n```\n")
+    run = PageRun(page, tmp_path, timeout=30)
+    run.start()
+    codes, timed_out = run.wait()
+    assert not timed_out and codes == [1, 1], codes
+    assert 'page.md.py", line 4' in run.logs() and "FutureWarning: x is deprecated" in run.logs()
 
 
 def test_every_cited_test_exists() -> None:
