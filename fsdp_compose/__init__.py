@@ -10,6 +10,8 @@ step of ``build``'s model as one of ``N`` ranks on fake tensors in a subprocess 
 per-rank peak memory by category (activations included) and the collectives per step.
 ``load_pretrained`` / ``save_pretrained`` read and write Hugging Face safetensors checkpoints straight
 into and out of the shards (each rank only its rows).
+``process_wide_effects()`` lists what ``fully_shard`` installed for the whole process (an optimizer hook, an
+import hook, an exit handler), each with why and its opt-out.
 Those, checkpoints, the quantized all-gather, auto-wrap and deferred init live in ``extras/``;
 this module names them in ``_EXTRAS`` and imports one only when it is first used (PEP 562), so
 the core imports no extra.
@@ -24,6 +26,7 @@ from .api.module import FSDPModule, UnshardHandle
 from .api.module_settings import share_comm_ctx
 from .api.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._runtime.collectives import CollectiveError
+from ._runtime.process_wide import process_wide_effects
 from ._checks.order import ExecutionOrderError
 from .api.placement import ShardPlacementResult
 from .api.spmd_mesh import DataParallelMeshDims
@@ -111,4 +114,5 @@ __all__ = [
     "collective_bytes",
     "ExecutionOrderError",
     "CollectiveError",
+    "process_wide_effects",
 ]

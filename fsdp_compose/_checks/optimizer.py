@@ -14,11 +14,11 @@ first step, and only when there are such parameters, the ranks of the sharded pa
 compare each one's gradient fingerprint (one all-reduce, as ``_checks/weights.py`` compares weights)
 and warn, on every rank, if any differs. A warning, not an error: a user may mean it.
 ``ignored_params`` and frozen parameters are left alone.
+The hook is a process-wide effect (``_runtime/process_wide.py``): ``FSDP_COMPOSE_DISABLE=optimizer_check`` keeps it out.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 
 import torch
@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .._runtime.process_wide import install_once
 from .._runtime.state import owner_of, replaced_at
 from .weights import differ_across_ranks
 
@@ -38,10 +39,15 @@ def mark_ignored(param: nn.Parameter) -> None:
     setattr(param, _IGNORED_ATTR, True)
 
 
-@functools.cache
+WHY = (
+    "a global optimizer step pre-hook: an optimizer built before fully_shard raises at its first step, and "
+    "unmanaged parameters whose gradients differ across ranks warn"
+)
+
+
 def install_optimizer_check() -> None:
-    """Register the step pre-hook once per process."""
-    register_optimizer_step_pre_hook(_check_first_step)
+    """Register the step pre-hook once per process, unless opted out."""
+    install_once("optimizer_check", WHY, lambda: register_optimizer_step_pre_hook(_check_first_step))
 
 
 def _check_first_step(optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:

@@ -18,7 +18,8 @@ having none, so every rank takes part in the all-reduce whatever it holds: all-m
 rank holding values differs from meta ones until the broadcast or load they need writes their shards.
 Skipped: fake parameters, a world of one, ranks that are threads of one process (torch's ``threaded`` test backend: they share one
 random generator, so no seed can make them build alike, and torch's own FSDP2 tests train such values),
-and ``FSDP_COMPOSE_CHECK_INIT=0`` (ranks that differ on purpose).
+and ``FSDP_COMPOSE_DISABLE=weights_check`` or the older ``FSDP_COMPOSE_CHECK_INIT=0`` (ranks that differ on
+purpose; every opt-out is listed with ``fsdp_compose.process_wide_effects``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from .order import disagreement
 from .._runtime.params import ShardedParam
+from .._runtime.process_wide import disabled
 from .._runtime.state import GroupState
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_INIT"
@@ -43,7 +45,10 @@ THREADED_BACKEND = "threaded"  # torch.testing's multi-threaded process group: e
 def unequal_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh, device: torch.device) -> list[str]:
     """The names of ``params`` (name -> full value) whose values differ across the data-parallel ranks of
     ``mesh``: a collective, the same answer on every rank."""
-    if os.environ.get(CHECK_ENV, "1") == "0" or not params or mesh.size() == 1 or _thread_ranks(mesh):
+    # disabled() first, at every call: a misspelt FSDP_COMPOSE_DISABLE raises before fully_shard commits
+    if disabled("weights_check") or os.environ.get(CHECK_ENV, "1") == "0":
+        return []
+    if not params or mesh.size() == 1 or _thread_ranks(mesh):
         return []
     pieces = {name: p.to_local() if hasattr(p, "to_local") else p for name, p in params.items()}  # TP: this rank's
     if any(is_fake(v) for v in pieces.values()):  # a fake run: every rank fake, nothing to compare
@@ -115,7 +120,7 @@ def _message(state: GroupState, names: list[str], where: str) -> str:
         "as a mix of several initialisations. Build the model with the same seed on every rank (torch.manual_seed "
         "before building it), load pretrained weights on every rank (before fully_shard, or into the sharded model "
         "before its first forward), or make them equal first (fsdp_compose.sync_module_states(model) before "
-        f"fully_shard). If ranks differ on purpose, set {CHECK_ENV}=0"
+        f"fully_shard). If ranks differ on purpose, set FSDP_COMPOSE_DISABLE=weights_check (or {CHECK_ENV}=0)"
     )
 
 

@@ -1,5 +1,9 @@
 """Unshard and reshard below ``torch.func`` transforms (jvp, vmap, grad).
 
+Upstream: pytorch/pytorch#182641 (open: "Cannot jvp through FSDP2", torch 2.11); torch's own answer,
+pytorch/pytorch#182732, keeps FSDP2's unshard and reshard outside the active transforms as this file does. A torch
+gap (tensors made inside a transform are its wrappers), not a bug to wait out: applies to torch 2.11 to 2.14.1.
+
 A first all-gather inside ``torch.func.jvp`` would make the gather buffers and the unsharded parameter the
 transform's wrapper tensors, which have no storage to alias (torch's FSDP2 builds them below the transform too).
 Uses two private switches of ``torch._C``, present on torch 2.11 to 2.14.1 and looked up once; where either is

@@ -1,20 +1,34 @@
 """torch.distributed.pipelining's schedules on our sharded stages: gradients reduced once per step.
 
+Upstream: no upstream issue found; a torch gap, not a bug. The schedules know torch's own ``FSDPModule`` only
+(``isinstance`` checks in ``stage.py`` and ``schedules.py``, then its private state in the step-end reduction,
+``perform_reduce_grad``; related: pytorch/pytorch#165106, FSDP's reduce-scatters moved to the step's end), and
+from torch 2.13 the metadata inference runs a real backward per stage, which reduces our gradients (seen on
+torch 2.13; related: pytorch/pytorch#177728, the stage's metadata inference reworked). Applies to torch 2.11 to
+2.14.1, the supported range (the metadata-inference part from 2.13 on).
+
 A schedule runs every micro-batch's backward without gradient sync and reduces at the step's end
 (``perform_reduce_grad``), but only for modules it recognizes as torch's ``FSDPModule``, whose
 private state it then reads. ``install`` makes it recognize ours too, through our public setters,
 and gives its step end ours: sync back on, the gradients held since the first micro-batch reduced
-once, the parameters resharded. ``fully_shard`` runs it when the program has imported torch's
-pipelining, or else has it run when the program does (fsdp_compose never imports it: it imports torch's
-FSDP). It also refuses zero-bubble schedules on stages that reshard after forward, whose weight
-gradients would be lost, and keeps the first step's metadata inference (torch 2.13 on: a real forward
-and an input-gradient backward per stage, before the micro-batches) from reducing: one reduction per
+once, the parameters resharded. It also refuses zero-bubble schedules on stages that reshard after forward,
+whose weight gradients would be lost, and keeps the first step's metadata inference (torch 2.13 on: a real
+forward and an input-gradient backward per stage, before the micro-batches) from reducing: one reduction per
 group in every step, the first included.
+
+``install_when_used`` (at each ``fully_shard``) installs it now if the program imported torch's pipelining
+(the process-wide effect ``pipelining``), or else, if the program can import it, puts a ``sys.meta_path``
+finder in place that installs it right after the import (``pipelining_import_hook``, gone once it fired);
+fsdp_compose never imports it. A check at the first forward could not replace the finder: ``step()`` must
+refuse a zero-bubble schedule on every rank before any communication, so before a later stage's first forward,
+which waits for its input.
+``FSDP_COMPOSE_DISABLE=pipelining`` keeps both out.
 """
 
 from __future__ import annotations
 
 import importlib.abc
+import importlib.util
 import sys
 from collections.abc import Callable
 
@@ -23,6 +37,7 @@ from torch import nn
 from ..api.module import FSDPModule
 from .._runtime.hooks.backward import end_of_backward
 from .._runtime.param_grad import clear_unsharded_grad
+from .._runtime.process_wide import forget, install_once, process_wide_effects
 from .._runtime.schedule import reshards_after_forward
 from .._runtime.state import state_of, states_in
 
@@ -31,13 +46,23 @@ STAGE, SCHEDULES = f"{PACKAGE}.stage", f"{PACKAGE}.schedules"
 _OURS = "_fsdp_compose_step_end"
 
 
+WHY = "torch.distributed.pipelining's schedules patched to reduce our stages' gradients once per step"
+WHY_HOOK = "a sys.meta_path finder that installs 'pipelining' when the program imports torch.distributed.pipelining"
+
+
+def install_when_used() -> None:
+    """Teach ``torch.distributed.pipelining`` our modules: now if the program imported it, else a finder that
+    does it right after the program does, if it can (nothing when pipelining cannot be imported)."""
+    if sys.modules.get(STAGE) is not None:
+        install_once("pipelining", WHY, install)
+    elif "pipelining_import_hook" not in process_wide_effects() and importlib.util.find_spec(PACKAGE) is not None:
+        # find_spec is None where the program cannot import it: not in this torch, or blocked (None in sys.modules)
+        install_once("pipelining_import_hook", WHY_HOOK, _InstallOnImport.register, opt_out="pipelining")
+
+
 def install() -> None:
-    """Teach ``torch.distributed.pipelining`` our modules (idempotent; torch's still work): now if the
-    program imported it, else right after it does."""
-    stage = sys.modules.get(STAGE)
-    if stage is None:
-        _InstallOnImport.register()
-        return
+    """Teach the imported ``torch.distributed.pipelining`` our modules (idempotent; torch's still work)."""
+    stage = sys.modules[STAGE]
     for module in (stage, sys.modules.get(SCHEDULES)):
         if module is not None and hasattr(module, "FSDPModule"):  # its isinstance checks take a tuple
             known = module.FSDPModule if isinstance(module.FSDPModule, tuple) else (module.FSDPModule,)
@@ -116,7 +141,9 @@ class _InstallOnImport(importlib.abc.MetaPathFinder):
             exec_module(module)
             if self in sys.meta_path:
                 sys.meta_path.remove(self)
-            install()
+            forget("pipelining_import_hook")
+            forget("pipelining")  # a fresh import: whatever was patched before is not this module
+            install_once("pipelining", WHY, install)
 
         spec.loader.exec_module = exec_then_install
         return spec

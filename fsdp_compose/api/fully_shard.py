@@ -13,7 +13,7 @@ from torch.distributed.tensor import Shard
 from .mesh import default_device_type, default_mesh, mesh_device, post_forward_group
 from .module import AlreadyShardedError, FSDPModule, become_fsdp_module
 from .._checks.optimizer import install_optimizer_check, mark_ignored
-from .._torch_workarounds.pipelining import install as install_pipelining
+from .._torch_workarounds.pipelining import install_when_used as install_pipelining
 from .policies import MixedPrecisionPolicy, OffloadPolicy, validate_policies
 from .._torch_workarounds.gloo_exit import drain_at_exit
 from .._runtime.group import ParamGroup, PostForward
@@ -293,9 +293,10 @@ def fully_shard(
     state.companions = states[1:]
     for s in state.companions:  # the one link a state cannot have at construction: they are built together
         s.primary = state
+    # the process-wide effects, each once and unless opted out (fsdp_compose.process_wide_effects lists them)
     install_optimizer_check()
-    install_pipelining()  # a no-op unless the program imported torch.distributed.pipelining
-    drain_at_exit(state.group.process_group.name())  # gloo's worker threads done before finalization
+    install_pipelining()  # now if the program imported torch.distributed.pipelining, else at its import
+    drain_at_exit(state.group.process_group.name())  # on gloo: its worker threads done before finalization
     register_state(state)
     if not on_meta:
         _move_own_buffers(modules, state, state.group.device)

@@ -19,7 +19,7 @@ BEYOND_FSDP2 = {
     "summon_full_params", "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "checkpoint_exists",
     "CheckpointError", "Comm", "AllGather", "ReduceScatter", "explain", "Explanation", "collective_bytes",
     "estimate", "Estimate", "ExecutionOrderError", "CollectiveError", "quantize_all_gather",
-    "load_pretrained", "save_pretrained", "PretrainedCheckpointError",
+    "load_pretrained", "save_pretrained", "PretrainedCheckpointError", "process_wide_effects",
 }
 
 # FSDP2 names torch 2.11 (the oldest torch we support) lacks: fsdp_compose offers them on every supported

@@ -14,6 +14,7 @@ from torch.testing._internal.common_distributed import MultiThreadedTestCase
 
 from fsdp_compose import fully_shard, sync_module_states
 from fsdp_compose._checks.weights import CHECK_ENV
+from fsdp_compose._runtime.process_wide import DISABLE_ENV
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, global_batch, lm_loss, local_slice, shard_blocks_then_root
 
@@ -35,11 +36,14 @@ def _seeded_by_rank(fix: str) -> dict:
         sync_module_states(model)
     if fix == "off":
         os.environ[CHECK_ENV] = "0"
+    if fix == "disabled":  # the one opt-out variable (docs/troubleshooting.md, "Process-wide effects")
+        os.environ[DISABLE_ENV] = "weights_check"
     try:
         shard_blocks_then_root(model)  # compares, records, raises nothing
         out = {"error": _first_forward_error(model)}
     finally:
         os.environ.pop(CHECK_ENV, None)
+        os.environ.pop(DISABLE_ENV, None)
     out["sharded"] = all(isinstance(p, DTensor) for p in model.parameters())
     if out["error"] is None:
         # the full parameter the ranks now share: rows from each rank's own copy
@@ -61,13 +65,14 @@ def test_ranks_with_different_weights_fail_at_the_first_forward():
             "fully_shard(TinyLM) of '<root>': ranks hold different values of 'embed.weight', 'head.weight', 'head.bias'"
         ), out["error"]  # the root's group first: its pre-forward runs the check of every group under it
         assert "torch.manual_seed" in out["error"] and "sync_module_states" in out["error"]
-        assert f"{CHECK_ENV}=0" in out["error"]
+        assert f"{DISABLE_ENV}=weights_check" in out["error"] and f"{CHECK_ENV}=0" in out["error"]
         assert out["sharded"] and out["again"] and out["after_load"] is None, out
 
 
 def test_without_the_check_the_model_is_a_mix_and_sync_fixes_it():
-    for out in run_on_ranks(2, _seeded_by_rank, "off"):
-        assert out["error"] is None and out["equals_a_rank_copy"] == [False, False], out  # neither rank's model
+    for fix in ("off", "disabled"):
+        for out in run_on_ranks(2, _seeded_by_rank, fix):
+            assert out["error"] is None and out["equals_a_rank_copy"] == [False, False], out  # neither rank's model
     for out in run_on_ranks(2, _seeded_by_rank, "sync"):
         assert out["error"] is None and out["equals_a_rank_copy"] == [True, False], out  # rank 0's, everywhere
 

@@ -148,7 +148,7 @@ def test_train_example_exits_zero_every_time():
 # ----- the exit handler itself (_torch_workarounds/gloo_exit.py), in this process ---------------------------------
 def _drain_with(snapshots: list[dict]) -> tuple[bool, int]:
     """``drain_gloo_workers`` on a scripted sequence of thread snapshots; (result, snapshots read)."""
-    from fsdp_compose._runtime import gloo_exit
+    from fsdp_compose._torch_workarounds import gloo_exit
 
     reads = iter(snapshots)
     read = []
@@ -189,8 +189,8 @@ def _drain_after_training() -> tuple[int, bool, float, bool, int]:
     import torch
     from torch import nn
 
-    from fsdp_compose import fully_shard
-    from fsdp_compose._runtime import gloo_exit
+    from fsdp_compose import fully_shard, process_wide_effects
+    from fsdp_compose._torch_workarounds import gloo_exit
 
     def build_and_step() -> None:
         torch.manual_seed(0)
@@ -205,7 +205,8 @@ def _drain_after_training() -> tuple[int, bool, float, bool, int]:
     began = time.monotonic()
     drained = gloo_exit.drain_gloo_workers()
     seconds = time.monotonic() - began
-    return len(gloo_exit.gloo_workers()), drained, seconds, gloo_exit._registered, atexit._ncallbacks() - handlers
+    registered = "exit_drain" in process_wide_effects()
+    return len(gloo_exit.gloo_workers()), drained, seconds, registered, atexit._ncallbacks() - handlers
 
 
 def test_drain_after_training_on_gloo_is_short_and_registered_once():
