@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.graph import get_gradient_edge
 
+from ..._torch_workarounds.functorch import outside_transforms
 from ..param_grad import refuse_backward_through_grad, stash_grad
 from ..schedule import (
     backward_prefetch_targets,
@@ -37,6 +38,7 @@ def queue_end_of_backward(root: RootState) -> None:
 _will_execute_node = getattr(torch._C, "_will_engine_execute_node", None)
 
 
+@outside_transforms
 def _accumulates(root: RootState) -> bool:
     """Whether the running backward accumulates into a trainable parameter (``backward()``; not
     ``torch.autograd.grad`` nor ``backward(inputs=...)``)."""

@@ -18,6 +18,7 @@ from torch._C._dynamo.eval_frame import (
 )
 from torch.utils._pytree import SUPPORTED_NODES, tree_flatten, tree_leaves, tree_unflatten
 
+from ..._torch_workarounds.functorch import outside_transforms_tensor, signal_inside_transform, transforms_active
 from ..refresh import follow_module
 from ..schedule import (
     begin_step,
@@ -106,9 +107,13 @@ def signal_post_backward(state: GroupState, tensors: list[torch.Tensor]) -> tupl
     state.inputs_pending += 1
     if len(tensors) == 1 and type(tensors[0]) is torch.Tensor:
         view = tensors[0].view_as(tensors[0])
-        view.grad_fn.register_hook(partial(inputs_done_hook, state))
-        return (view,)
-    return PostBackwardSignal.apply(state, *tensors)
+        node = view.grad_fn
+        if node is not None:  # None only inside torch.func.jvp, for a tensor made outside it
+            node.register_hook(partial(inputs_done_hook, state))
+            return (view,)
+    elif not transforms_active():  # PostBackwardSignal, an old-style Function, raises under a transform
+        return PostBackwardSignal.apply(state, *tensors)
+    return signal_inside_transform(partial(inputs_done_hook, state), tensors)  # _torch_workarounds/functorch.py
 
 
 def attach_post_backward_signal(state: GroupState, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -179,10 +184,14 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
     if type(output) is torch.Tensor:  # the usual output: no generator
         if output.requires_grad:
             register_pre_backward(output, state)
+        elif transforms_active():
+            register_pre_backward_outside_transforms(output, state)
         return output
     for x in output_tensors(output):
         if x.requires_grad:
             register_pre_backward(x, state)
+        elif transforms_active():
+            register_pre_backward_outside_transforms(x, state)
     return output
 
 
@@ -195,6 +204,14 @@ def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
         node.register_prehook(hook)
     else:
         x.register_hook(hook)
+
+
+def register_pre_backward_outside_transforms(x: torch.Tensor, state: GroupState) -> None:
+    """Inside ``torch.func.jvp`` or ``vmap`` an output reports ``requires_grad=False``; the tensor it wraps in the
+    outer graph gets the pre-backward hook (``_torch_workarounds/functorch.py``)."""
+    outer = outside_transforms_tensor(x)
+    if outer is not None and outer.requires_grad:
+        register_pre_backward(outer, state)
 
 
 # ----- keeping torch.compile (dynamo) out of a sharded module's call and fully_shard's hooks -----------
