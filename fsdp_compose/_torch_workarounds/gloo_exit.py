@@ -20,6 +20,7 @@ without ``/proc`` (not Linux) it releases the GIL for ``FALLBACK_S`` once, if a 
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 
@@ -28,6 +29,8 @@ STILL_S = 0.015  # longer than two of CPython's 5 ms waits for the GIL
 LIMIT_S = 2.0  # a worker stuck in a collective a peer never joins is left as it is
 FALLBACK_S = 0.1
 TASKS = "/proc/self/task"
+
+logger = logging.getLogger(__name__)
 
 _registered = False
 _gloo_seen = False
@@ -40,6 +43,7 @@ def drain_at_exit(backend: str) -> None:
     if not _registered:
         _registered = True
         atexit.register(drain_gloo_workers)
+        logger.debug("installed: an exit handler that waits (at most %.1f s) for gloo's workers to be still", LIMIT_S)
 
 
 def gloo_workers() -> dict[str, tuple[str, int]] | None:
@@ -77,6 +81,7 @@ def drain_gloo_workers(limit_s: float = LIMIT_S) -> bool:
         if all(state != "R" and before.get(tid) == (state, switches) for tid, (state, switches) in after.items()):
             return True
         if time.monotonic() >= deadline:
+            logger.debug("at exit: gloo worker threads still busy after %.1f s; left to the interpreter", limit_s)
             return False
         before = after
     return True

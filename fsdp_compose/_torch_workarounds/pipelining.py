@@ -15,6 +15,7 @@ group in every step, the first included.
 from __future__ import annotations
 
 import importlib.abc
+import logging
 import sys
 from collections.abc import Callable
 
@@ -30,12 +31,16 @@ PACKAGE = "torch.distributed.pipelining"
 STAGE, SCHEDULES = f"{PACKAGE}.stage", f"{PACKAGE}.schedules"
 _OURS = "_fsdp_compose_step_end"
 
+logger = logging.getLogger(__name__)
+
 
 def install() -> None:
     """Teach ``torch.distributed.pipelining`` our modules (idempotent; torch's still work): now if the
     program imported it, else right after it does."""
     stage = sys.modules.get(STAGE)
     if stage is None:
+        if not any(isinstance(finder, _InstallOnImport) for finder in sys.meta_path):
+            logger.debug("%s not imported yet: its schedules learn our FSDPModule when the program imports it", PACKAGE)
         _InstallOnImport.register()
         return
     for module in (stage, sys.modules.get(SCHEDULES)):
@@ -59,6 +64,7 @@ def install() -> None:
 
     setattr(perform_reduce_grad, _OURS, True)
     base.perform_reduce_grad = perform_reduce_grad
+    logger.debug("installed: %s's schedules reduce our sharded stages' gradients once per step", PACKAGE)
     inference = getattr(stage, "PipelineStage", None)
     if inference is not None and hasattr(inference, "_backward_metadata_inference"):
         inference._backward_metadata_inference = _unreduced(inference._backward_metadata_inference)
