@@ -38,12 +38,13 @@ TIMEOUT_S = 300
 # train.py on torch's FSDP2: the fully_shard import swapped; what reads our groups stubbed
 TORCH_IMPORTS = '''from torch.distributed.fsdp import fully_shard  # noqa: E402  (bench_exit.py --torch)
 
+from types import SimpleNamespace  # noqa: E402
+
 from fsdp_compose import checkpoint_exists, load_checkpoint, save_checkpoint  # noqa: E402
 
 
-class _NoPlan:
-    def summary(self) -> str:
-        return "(torch's FSDP2: no plan)"
+class _NoPlan:  # torch's FSDP2 has no plan: zeros
+    totals = SimpleNamespace(params=0, param_bytes=0, groups=0, sent_per_step=0, predicted_peak_bytes=0)
 
 
 def explain(model, optimizer=None):

@@ -7,9 +7,9 @@
 
 Sharding is the ``fully_shard`` calls; code written for ``torch.distributed.fsdp.fully_shard``
 runs with the import changed. ``--checkpoint-dir`` adds fsdp_compose's atomic checkpoints.
-Rank 0 prints the plan (``fsdp_compose.explain``) and, per step, the loss (mean over ranks),
-step time and peak memory (max over ranks: RSS on CPU, allocated on GPU), tokens/s, and the
-bytes this rank's collectives moved.
+Rank 0 prints what the run is (the model, its groups, the traffic and memory ``fsdp_compose.explain``
+predicts) and, per step, the loss (mean over ranks), step time and peak memory (max over ranks: RSS
+on CPU, allocated on GPU), tokens/s, and the bytes each rank sent to the others.
 """
 
 from __future__ import annotations
@@ -36,7 +36,15 @@ from fsdp_compose import (  # noqa: E402
 )
 
 # the whole process's peak on CPU (torch itself is most of it); tensors alone on an accelerator
-MEMORY_LABEL = "peak alloc" if torch.cuda.is_available() else "peak RSS"
+if torch.cuda.is_available():
+    MEMORY_LABEL, MEMORY_MEANING = "peak alloc", "every tensor on the GPU, activations included"
+else:
+    MEMORY_LABEL, MEMORY_MEANING = "peak RSS", "the whole process's memory, torch itself included"
+
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
 
 
 def reset_peak_memory() -> None:
@@ -72,10 +80,23 @@ def figures(loss: torch.Tensor, seconds: float, memory: float) -> tuple[float, f
 
 
 def print_start(model: torch.nn.Module, optimizer: torch.optim.Optimizer, world_size: int) -> None:
-    params = sum(p.numel() for p in model.parameters())
-    print(f"world size {world_size}, {params:,} parameters", flush=True)
-    for line in explain(model, optimizer).summary().splitlines():
-        print(f"  {line}", flush=True)
+    """What the run is, in plain words, with the figures ``explain`` predicts (local: no communication)."""
+    plan = explain(model, optimizer).totals
+    print(
+        f"{world_size} ranks train a GPT of {plan.params:,} parameters ({mib(plan.param_bytes)}), sharded in "
+        f"{plan.groups} groups (one per block, and the root); each rank keeps 1/{world_size} of every parameter",
+        flush=True,
+    )
+    print(
+        f"each step, each rank sends {mib(plan.sent_per_step)} to the others: each block's parameters gathered "
+        "for forward and again for backward (the root's once), every gradient reduce-scattered once",
+        flush=True,
+    )
+    print(
+        f"predicted memory per rank: {mib(plan.predicted_peak_bytes)} (parameters, optimizer state, gathered "
+        f'groups; no activations); "{MEMORY_LABEL}" below: {MEMORY_MEANING}',
+        flush=True,
+    )
 
 
 def train(args: argparse.Namespace) -> None:
@@ -110,7 +131,7 @@ def train(args: argparse.Namespace) -> None:
         optimizer.step()
         optimizer.zero_grad()
         seconds = time.perf_counter() - began
-        moved = collective_bytes(model) - moved
+        sent = (collective_bytes(model) - moved) * (world_size - 1) / world_size  # a ring sends (N-1)/N of each
         if profiler is not None:
             profiler.__exit__(None, None, None)
             os.makedirs(args.profile, exist_ok=True)
@@ -119,8 +140,8 @@ def train(args: argparse.Namespace) -> None:
         mean_loss, step_time, memory = figures(loss.detach(), seconds, peak_memory())
         if rank == 0:
             print(
-                f"step {step:3d}  loss {mean_loss:.4f}  {step_time * 1e3:6.1f} ms  {tokens / step_time:9,.0f} tok/s  "
-                f"{MEMORY_LABEL} {memory / 2**20:6.1f} MiB  moved {moved / 2**20:.1f} MiB/rank",
+                f"step {step:3d}  loss {mean_loss:.4f}  {step_time * 1e3:6.1f} ms  {tokens / step_time:7,.0f} tok/s  "
+                f"{MEMORY_LABEL} {mib(memory)}  sent {mib(sent)}",
                 flush=True,
             )
             if profiler is not None:

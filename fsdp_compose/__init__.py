@@ -18,11 +18,12 @@ the core imports no extra.
 """
 
 import importlib
+import logging
 
-from .api.fully_shard import fully_shard
+from .api.fully_shard import MeshRoleError, fully_shard
 from .api.comm import AllGather, Comm, ReduceScatter
 from .api.forward_methods import register_fsdp_forward_method
-from .api.module import FSDPModule, UnshardHandle
+from .api.module import AlreadyShardedError, DeepcopyUnsupportedError, FSDPModule, UnshardHandle
 from .api.module_settings import share_comm_ctx
 from .api.policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from ._runtime.collectives import CollectiveError
@@ -33,6 +34,15 @@ from .api.spmd_mesh import DataParallelMeshDims
 from .whole_model.clip import clip_grad_norm_
 from .whole_model.state_dict import full_state_dict, load_full_state_dict
 from .whole_model.summon import summon_full_params
+
+# The one source of the version: pyproject.toml reads it from here ([tool.setuptools.dynamic]), so a checkout on
+# PYTHONPATH reports its own, not that of another one installed in the environment.
+__version__ = "0.1.1"  # 0.1.1: checkpoints store extra as plain data, not a pickle
+
+# What the library reports as information (timings, what it installed) goes to this logger and its children
+# (fsdp_compose.<module>); it shows nothing until the program configures logging (docs/observability.md).
+# Mistakes in the user's program stay warnings.warn.
+logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 # public name -> (module of the extras, its name there)
 _EXTRAS = {
@@ -115,4 +125,7 @@ __all__ = [
     "ExecutionOrderError",
     "CollectiveError",
     "process_wide_effects",
+    "MeshRoleError",
+    "AlreadyShardedError",
+    "DeepcopyUnsupportedError",
 ]

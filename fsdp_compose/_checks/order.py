@@ -51,6 +51,8 @@ NAMED_RANKS = 8  # ranks an error names
 class ExecutionOrderError(RuntimeError):
     """Ranks were about to run different collectives of sharded modules: their forward/backward differ."""
 
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there
+
 
 def check_mode() -> str:
     """``FSDP_COMPOSE_CHECK_ORDER``: ``1`` (default), ``strict`` or ``0`` (see docs/schedule.md)."""

@@ -35,6 +35,8 @@ SCATTER_METHOD = "reduce_scatter_single" if hasattr(ProcessGroup, "reduce_scatte
 class CollectiveError(RuntimeError):
     """A collective of a sharded module failed or timed out; names the group it was for."""
 
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there
+
 
 def wait_named(work, what: str | Callable[[], str]) -> None:
     """``work.wait()``, re-raising a failure (e.g. the timeout) naming ``what`` (or what it builds)."""

@@ -9,6 +9,7 @@ and records it for ``fsdp_compose.process_wide_effects()``. The weights check is
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from typing import NamedTuple
@@ -26,6 +27,7 @@ class Effect(NamedTuple):
 
 
 _installed: dict[str, Effect] = {}
+logger = logging.getLogger(__name__)
 
 
 def disabled(opt_out: str) -> bool:
@@ -52,6 +54,7 @@ def install_once(name: str, why: str, install: Callable[[], object], opt_out: st
         return False
     install()
     _installed[name] = Effect(why, f"{DISABLE_ENV}={opt_out}")
+    logger.debug("installed %s: %s", name, why)
     return True
 
 

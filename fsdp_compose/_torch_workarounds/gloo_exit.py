@@ -26,6 +26,7 @@ and returns; without ``/proc`` (not Linux) it releases the GIL for ``FALLBACK_S`
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import time
 
@@ -35,6 +36,7 @@ from .._runtime.process_wide import install_once
 
 WORKER_NAME = "pt_gloo_runloop"  # the name torch 2.11 to 2.14 give gloo's worker threads
 STILL_S = 0.015  # longer than two of CPython's 5 ms waits for the GIL
+logger = logging.getLogger(__name__)
 LIMIT_S = 2.0  # a worker stuck in a collective a peer never joins is left as it is
 FALLBACK_S = 0.1
 TASKS = "/proc/self/task"
@@ -84,6 +86,7 @@ def drain_gloo_workers(limit_s: float = LIMIT_S) -> bool:
         if all(state != "R" and before.get(tid) == (state, switches) for tid, (state, switches) in after.items()):
             return True
         if time.monotonic() >= deadline:
+            logger.debug("at exit: gloo worker threads still busy after %.1f s; left to the interpreter", limit_s)
             return False
         before = after
     return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -21,12 +22,14 @@ from .._runtime.hooks.backward import on_grad_accumulated
 from .._runtime.hooks.forward import post_forward_hook, pre_forward_hook
 from .._runtime.param_layout import ParamPlace, resolve_layout
 from .._runtime.params import ShardedParam
-from .placement import resolve_placement
+from .placement import ShardPlacementResult, resolve_placement
 from .._runtime.settings import GroupSettings
 from .._runtime.state import GroupState, class_name, owner_of, register_owner, register_state, state_of
 from .spmd_mesh import DataParallelMeshDims, data_parallel_dims, data_parallel_mesh, spmd_shard_layout
 from .._checks.weights import defer_verdict, unequal_values
 from ..whole_model.state_dict_hooks import register_state_dict_hooks
+
+logger = logging.getLogger(__name__)
 
 
 def _managed_params(
@@ -164,6 +167,8 @@ def _check_mesh(name: str, mesh: DeviceMesh) -> None:
 class MeshRoleError(ValueError, AssertionError):
     """A mesh whose dims' roles are ambiguous: a ``ValueError``, and the ``AssertionError`` torch's FSDP2 raises."""
 
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there
+
 
 def _check_module(module: nn.Module) -> None:
     if state_of(module) is not None:
@@ -183,7 +188,7 @@ def fully_shard(
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
-    shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], Shard | ShardPlacementResult | None] | None = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Iterable[nn.Parameter] | None = None,
@@ -219,7 +224,12 @@ def fully_shard(
             it on dim ``d`` (e.g. the expert dim of an MoE weight) or ``None`` for ``Shard(0)``.
             Any size works on any dim: ranks hold ``torch.chunk`` pieces (torch's FSDP2
             requires dims after 0 to divide evenly). The module still sees the full,
-            contiguous parameter; its shard is a DTensor with that ``Shard(d)``.
+            contiguous parameter; its shard is a DTensor with that ``Shard(d)``. Or it returns
+            ``ShardPlacementResult(placement, mesh_info)`` to put the parameter on a mesh of its own
+            (e.g. MoE experts over their expert-data-parallel mesh; torch's own ``ShardPlacementResult``
+            is taken too): ``placement`` as above, ``mesh_info`` a ``DeviceMesh`` (1-D, or 2-D for HSDP)
+            or torch's ``FSDPMeshInfo``/``HSDPMeshInfo``. The call's parameters on each mesh form a
+            group of their own, with its own all-gather and reduce-scatter.
         ignored_params: parameters left unsharded, without hooks.
         dp_mesh_dims: ``mesh`` is a full SPMD mesh (e.g. dims ``("dp_replicate", "dp_shard",
             "tp")``) and every parameter is already a DTensor on it with ``Replicate()`` on the
@@ -307,6 +317,10 @@ def fully_shard(
         for s in states:
             m.register_forward_hook(partial(post_forward_hook, s))
         become_fsdp_module(m)
+    if logger.isEnabledFor(logging.DEBUG):
+        group_sizes = [(s.group.world_size, s.group.dp_size // s.group.world_size) for s in states]
+        meshes = ", ".join(f"{ranks} ranks x {replicas} replica(s)" for ranks, replicas in group_sizes)
+        logger.debug("fully_shard(%s): %d parameters in %d group(s) over %s", name, len(places), len(states), meshes)
     return module
 
 

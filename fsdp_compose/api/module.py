@@ -34,9 +34,13 @@ class AlreadyShardedError(ValueError, AssertionError):
     so ``except`` clauses written for either keep working.
     """
 
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there
+
 
 class DeepcopyUnsupportedError(RuntimeError, AssertionError):
     """``copy.deepcopy`` of a sharded module (an ``AssertionError`` in torch's FSDP2 too)."""
+
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there
 
 
 class FSDPModule(FSDPModuleSettings):

@@ -3,3 +3,5 @@
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, unreadable, or does not fit the model / optimizer it is loaded into."""
+
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there

@@ -34,7 +34,10 @@ class FileRefused(CheckpointError):
 
     def __init__(self, path: str, reason: str) -> None:
         super().__init__(f"file {path!r}: {reason}")
-        self.reason = reason
+        self.path, self.reason = path, reason
+
+    def __reduce__(self):  # rebuilt from its two arguments (the default passes only the message)
+        return type(self), (self.path, self.reason)
 
 
 def is_bare_name(name: object) -> bool:

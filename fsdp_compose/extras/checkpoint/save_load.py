@@ -15,9 +15,11 @@ checkpoint, which a save keeps unless ``keep_previous=False``.
 from __future__ import annotations
 
 import io
+import logging
 import os
 import pickle
 import shutil
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -42,6 +44,12 @@ from .keys import flatten, format_problems, map_leaves, mismatches
 from .files import METADATA, check_payload
 from .reader import CheckedReader
 from .safety import MAX_DEPTH, SafeLoadPlanner, load_plain, not_plain
+
+logger = logging.getLogger(__name__)
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def _siblings(path: Path) -> tuple[Path, Path]:
@@ -116,6 +124,7 @@ def save_checkpoint(
     ``keep_previous`` keeps the checkpoint this one replaces as ``.<name>.previous`` for
     ``load_checkpoint(fallback=True)``.
     """
+    began = time.perf_counter()
     path = Path(path)
     partial, previous = _siblings(path)
     found = not_plain(extra)
@@ -149,6 +158,8 @@ def save_checkpoint(
         _on_rank0_then_all(lambda: _publish(path, partial, previous, keep_previous), "publishing")
     finally:
         integrity.release(partial)
+    if dist.get_rank() == 0:
+        logger.info("save_checkpoint: step %d saved to %s in %.2f s", step, path, time.perf_counter() - began)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -188,7 +199,10 @@ def load_checkpoint(
     only for a checkpoint you trust. A checkpoint ``torch.distributed.checkpoint.save`` wrote (its
     state under "model" and, optionally, "optim"; no checksums) loads as ``(0, None)``.
     """
+    began = time.perf_counter()
     where = resolve(path)
+    if where != Path(path) and _rank0():
+        logger.info("load_checkpoint: %s is missing (a save stopped between its renames): loading %s", path, where)
     if _maybe_written_by_torch_dcp(where):
         metadata = integrity.verify(where, checksums=False)  # every file-layer check but the checksums
         if "meta.step" not in metadata.state_dict_metadata:  # else one of ours that lost its checksums
@@ -205,6 +219,9 @@ def load_checkpoint(
     staged, template = _read(where, metadata, model, optimizer, {"meta.step": 0, "meta.extra": b""})
     extra = _extra(staged["meta.extra"], str(where), allow_pickled_extra)  # before anything changes
     _apply(model, optimizer, map_leaves(template, lambda key, _: staged[key]))
+    if _rank0():
+        seconds = time.perf_counter() - began
+        logger.info("load_checkpoint: step %d loaded from %s in %.2f s", staged["meta.step"], where, seconds)
     return staged["meta.step"], extra
 
 

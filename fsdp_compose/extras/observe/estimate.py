@@ -11,10 +11,12 @@ from __future__ import annotations
 import base64
 import dataclasses
 import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,6 +30,8 @@ from .fake_step import (
     UNSHARDED_PARAMETERS,
 )
 from .timeline import COLLECTIVE_BUFFERS, UNLABELLED
+
+logger = logging.getLogger(__name__)
 
 # (category, how the table names it), in the table's order
 CATEGORIES = [
@@ -180,6 +184,7 @@ def estimate_many(
             json.dump(spec, f)
         env = {k: v for k, v in os.environ.items() if k not in _ENV_DROPPED and not k.startswith("TORCHELASTIC")}
         env.update(RANK=str(jobs[0][2]), WORLD_SIZE=str(jobs[0][1]), PYTHONPATH=os.pathsep.join(sys_path))
+        began = time.perf_counter()
         try:
             done = subprocess.run(
                 [sys.executable, "-m", "fsdp_compose.extras.observe.fake_step", spec_path, out_path],
@@ -195,6 +200,10 @@ def estimate_many(
             raise RuntimeError(f"estimate: the fake step failed (exit code {done.returncode}):\n{done.stdout[-4000:]}")
         with open(out_path) as f:
             results = json.load(f)
+    logger.info(
+        "estimate: %d fake step(s) at world size %s in a subprocess, %.1f s with its start",
+        len(jobs), ", ".join(str(world) for _, world, *_ in jobs), time.perf_counter() - began,
+    )
     return [Estimate(**result, like=job_like) for result, job_like in zip(results, likes)]
 
 

@@ -45,6 +45,8 @@ METADATA_KEY = "__metadata__"
 class PretrainedCheckpointError(ValueError):
     """A checkpoint file or directory that cannot be loaded as it is; the message names the file and key."""
 
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:

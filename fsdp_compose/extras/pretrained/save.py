@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import os
 import re
 import secrets
+import time
 
 import torch
 import torch.distributed as dist
@@ -24,17 +26,24 @@ from torch.distributed.tensor import DTensor
 from ... import FSDPModule
 
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
-from .local_region import region_of
+from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors
-from .progress import progress
+from .progress import progress_bar
 from .safetensors_file import NAMES, PretrainedCheckpointError, header_bytes
+
+logger = logging.getLogger(__name__)
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
 
 @torch.no_grad()
 def save_pretrained(
-    model: nn.Module, path: str, *, max_shard_size: int | str = "5GB", shared_filesystem: bool | None = None
+    model: nn.Module,
+    path: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    shared_filesystem: bool | None = None,
+    progress: bool = True,
 ) -> list[str]:
     """Write ``model`` (sharded or not) to the directory ``path`` as ``transformers.from_pretrained`` reads it:
     safetensors files of at most ``max_shard_size`` each (``model.safetensors``, or numbered files and
@@ -43,7 +52,11 @@ def save_pretrained(
 
     ``shared_filesystem`` (default: found out by a file rank 0 writes and every rank looks for) chooses the
     way: every rank writing its rows in place, or rank 0 writing everything. Returns the files written.
+    ``progress=False`` hides the progress bar rank 0 shows (with tqdm installed) once a save takes a few
+    seconds; it counts the bytes rank 0 writes. The time and bytes each rank wrote are logged at INFO on
+    the ``fsdp_compose`` logger.
     """
+    began = time.perf_counter()
     tensors = checkpoint_tensors(model)
     for target in tensors:
         if target.tensor.is_meta:
@@ -57,8 +70,9 @@ def save_pretrained(
         shared_filesystem = _shared(path)
     names = [SINGLE_NAME] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     total = sum(t.tensor.numel() * t.tensor.dtype.itemsize for t in tensors)
-    with progress(total, "save_pretrained") as bar:
-        for name, members in zip(names, files):
+    mine = [sum(_written_here(t, rank, shared_filesystem) for t in members) for members in files]
+    with progress_bar(sum(mine), "save_pretrained", enabled=progress) as bar:
+        for name, members, written in zip(names, files, mine):
             header, offsets = header_bytes(
                 [(t.names[0], t.tensor.dtype, tuple(t.tensor.shape)) for t in members], {"format": "pt"}
             )
@@ -67,13 +81,32 @@ def save_pretrained(
                 _write_rows(file, header, offsets, members, rank)
             else:
                 _write_whole(file, header, offsets, members, rank)
-            bar.update(sum(t.tensor.numel() * t.tensor.dtype.itemsize for t in members))
+            bar.update(written)
     if rank == 0:
         if len(files) > 1:
             _write_index(path, names, files, total)
         _write_configs(model, path)
     _barrier()
+    logger.info(
+        "save_pretrained: %d file(s) of %.1f MiB to %s in %.2f s; %s wrote %.1f MiB (%s)", len(names),
+        total / 2**20, path, time.perf_counter() - began, f"rank {rank}" if dist.is_initialized() else "this process",
+        sum(mine) / 2**20, "its rows, in place" if shared_filesystem else "rank 0 writes every file",
+    )
     return [os.path.join(path, name) for name in names]
+
+
+def _writes(tensor: torch.Tensor, region: Region, rank: int) -> bool:
+    """Whether this rank writes its region of ``tensor`` in place: one replica of each row, rank 0 a plain tensor."""
+    return region.writer and (isinstance(tensor, DTensor) or rank == 0)
+
+
+def _written_here(target: ModelTensor, rank: int, shared_filesystem: bool) -> int:
+    """The bytes of ``target`` this rank writes: its rows (shared filesystem), or all of it on rank 0."""
+    tensor = target.tensor
+    if not shared_filesystem:
+        return tensor.numel() * tensor.dtype.itemsize if rank == 0 else 0
+    region = region_of(tensor, target.names[0])
+    return sum(n for *_, n in region.runs(tensor.dtype.itemsize)) if _writes(tensor, region, rank) else 0
 
 
 def _write_rows(file: str, header: bytes, offsets: dict[str, int], members: list[ModelTensor], rank: int) -> None:
@@ -88,7 +121,7 @@ def _write_rows(file: str, header: bytes, offsets: dict[str, int], members: list
         for target in members:
             tensor = target.tensor
             region = region_of(tensor, target.names[0])
-            if not region.writer or (not isinstance(tensor, DTensor) and rank != 0):
+            if not _writes(tensor, region, rank):
                 continue
             local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
             data = local.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()

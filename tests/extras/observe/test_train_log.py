@@ -28,10 +28,12 @@ def test_training_log_and_profile(tmp_path):
     out = _run("--steps", "2", "--batch-size", "2", "--profile", str(tmp_path / "trace"),
                "--checkpoint-dir", str(tmp_path / "ckpt"), "--save-every", "1", rerun_on_profiler_abort=True)
     lines = out.splitlines()
-    assert lines[0] == "world size 2, 867,072 parameters", out
-    assert lines[1].strip().startswith("5 groups") and "predicted peak per rank" in out, out
+    assert lines[0].startswith("2 ranks train a GPT of 867,072 parameters (3.3 MiB), sharded in 5 groups"), out
+    assert lines[1].startswith("each step, each rank sends 4.8 MiB to the others"), out
+    assert lines[2].startswith("predicted memory per rank: 8.4 MiB") and '"peak RSS" below' in lines[2], out
     steps = [line for line in lines if line.startswith("step ")]
-    assert len(steps) == 2 and all(w in steps[0] for w in ("loss", "ms", "tok/s", "peak", "moved 9.6 MiB/rank")), out
+    assert len(steps) == 2 and all(w in steps[0] for w in ("loss", "ms", "tok/s", "peak RSS")), out
+    assert all(line.endswith("sent 4.8 MiB") and line.count("MiB") == 2 for line in steps), out  # measured = predicted
     assert "saved checkpoint of step 1" in out and "wrote a one-step trace of step 1" in out, out
     trace = tmp_path / ("trace-rerun" if (tmp_path / "trace-rerun").exists() else "trace")
     with open(trace / "trace_rank0.json") as f:
