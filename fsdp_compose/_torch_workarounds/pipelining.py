@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib.abc
 import importlib.util
-import logging
 import sys
 from collections.abc import Callable
 
@@ -46,7 +45,6 @@ PACKAGE = "torch.distributed.pipelining"
 STAGE, SCHEDULES = f"{PACKAGE}.stage", f"{PACKAGE}.schedules"
 _OURS = "_fsdp_compose_step_end"
 
-logger = logging.getLogger(__name__)
 
 
 WHY = "torch.distributed.pipelining's schedules patched to reduce our stages' gradients once per step"
