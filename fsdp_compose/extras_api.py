@@ -20,6 +20,7 @@ from typing import TypeAlias
 import torch
 from torch import nn
 
+from ._checks.agreement import raise_together
 from ._runtime.collectives import (
     ASYNC_ALL_GATHER,
     COMPLETED,
@@ -299,4 +300,5 @@ __all__ = [
     "ASYNC_ALL_GATHER",
     "COMPLETED",
     "wait_named",
+    "raise_together",
 ]
