@@ -1,25 +1,29 @@
 """What the extras (``fsdp_compose/extras/``, ``fsdp_compose_shm``) may use of the core besides its public names.
 
 Facts, not runtime objects: ``group_facts`` describes a group as frozen data (``GroupFacts``, ``ParamFacts``,
-``ReductionFacts``), read without side effects, so the runtime's classes can change behind it. Besides the
-facts, a few verbs: ``write_full`` (deferred init writes a parameter's full value into its shard),
-``ScratchSchedule`` (``explain`` replays a step on the runtime's own schedule functions, on scratch state,
-never a model's), ``unsharded_bytes`` and ``label_unsharded`` (what a measured step holds unsharded), putting
-idle groups back in sharded form (``reshard_idle``), a parameter's gather codec (``set_gather_codec``) and the
-row geometry (``row_layout``). A group is named by its ``GroupHandle``: an opaque key the verbs accept,
-whose attributes the extras never read (``tests/meta/test_architecture.py`` checks). For a transport
-(``fsdp_compose_shm``): the default collectives it falls back to, and how a collective is issued and waited.
-Whatever an extra needs of the core is added here.
+``ReductionFacts``), read without side effects, so the runtime's classes can change behind it. A group is named
+by a ``GroupHandle``: an opaque key (identity-hashed, one per group) that the functions here accept and that
+shows nothing of the group. Besides the facts, a few verbs: ``write_full`` (deferred init writes a parameter's
+full value into its shard), ``ScratchSchedule`` (``explain`` replays a step on the runtime's own schedule
+functions, on scratch state, never a model's), ``unsharded_bytes`` and ``unsharded_parameters`` (what a measured
+step holds unsharded), and, exported as the core names them: ``raise_together`` (every rank raises the same
+error, or none does), putting idle groups back in sharded form (``reshard_idle``), a parameter's gather codec
+(``set_gather_codec``), the row geometry (``row_layout``), and for a transport (``fsdp_compose_shm``) the default
+collectives it falls back to and how a collective is issued and waited. Names with a leading underscore are the
+port's own; the extras use none (``tests/meta/test_architecture.py`` checks). Whatever an extra needs of the
+core is added here.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
-from typing import TypeAlias
 
 import torch
 from torch import nn
 
+from ._checks.agreement import raise_together
+from ._runtime import schedule as _schedule
 from ._runtime.collectives import (
     ASYNC_ALL_GATHER,
     COMPLETED,
@@ -28,23 +32,40 @@ from ._runtime.collectives import (
     GATHER_METHOD,
     wait_named,
 )
-from ._runtime.extensions import has_protocol, set_gather_codec
-from ._runtime.group import divide_factors
-from ._runtime.params import ShardedParam
-from ._runtime.schedule import (
-    backward_prefetch_targets,
-    end_backward,
-    forward_prefetch_targets,
-    record_post_forward,
-    record_pre_forward,
-    reshards_after_forward,
-)
-from ._runtime.state import RootState, owner_of, state_of, states_in
+from ._runtime.extensions import has_protocol as _has_protocol, set_gather_codec
+from ._runtime.group import divide_factors as _divide_factors
+from ._runtime.params import ShardedParam as _ShardedParam
 from ._runtime.rows import row_layout
+from ._runtime.state import (
+    GroupState as _GroupState,
+    RootState as _RootState,
+    owner_of as _owner_of,
+    state_of as _state_of,
+    states_in as _states_in,
+)
 from .whole_model.model_groups import reshard_idle
 
-# a group's runtime state, opaque to the extras: a key for the verbs below (and for dicts), never read
-GroupHandle: TypeAlias = object
+
+@dataclass(frozen=True, eq=False, repr=False)
+class GroupHandle:
+    """A group as the extras name it: a key the functions here accept, compared and hashed by identity (one per
+    group while any is held). It shows nothing of the group: ``group_facts(handle)`` says what the group is."""
+
+    _state: _GroupState
+
+    def __repr__(self) -> str:
+        return f"GroupHandle({self._state.group.label})"
+
+
+# a group's handle while one is held, by the group's id: the handle keeps its group alive, so no id is reused
+_handles: weakref.WeakValueDictionary[int, GroupHandle] = weakref.WeakValueDictionary()
+
+
+def _handle(state: _GroupState) -> GroupHandle:
+    handle = _handles.get(id(state))
+    if handle is None or handle._state is not state:
+        handle = _handles[id(state)] = GroupHandle(state)
+    return handle
 
 
 @dataclass(frozen=True)
@@ -87,6 +108,7 @@ class GroupFacts:
     handle: GroupHandle = field(repr=False)
     modules: tuple[nn.Module, ...]
     call: tuple[GroupHandle, ...] = field(repr=False)  # every group of the same call (one per mesh)
+    root: GroupHandle | None = field(repr=False)  # the root group lazy init chose; None before it ran
     label: str  # how errors name it
     mesh_text: str  # which mesh, for a call with groups on several meshes
     params: tuple[ParamFacts, ...]
@@ -112,19 +134,19 @@ class GroupFacts:
         return tuple(p for p in self.params if p.requires_grad)
 
 
-def _gather_bytes(p: ShardedParam) -> int:
+def _gather_bytes(p: _ShardedParam) -> int:
     """What ``p`` sends per all-gather, without running anything: the protocol's widths once it chose its
     inputs; a codec's wire bytes before its first gather; else the padded shard in the gather dtype.
     A subclass's own protocol is counted as plain bytes until its first unshard."""
     if p.extension is not None:
         return sum(p.form.widths())
     local = p.local_tensor()
-    if p.wire is not None and not has_protocol(local, f"the shard of parameter '{p.fqn}'"):
+    if p.wire is not None and not _has_protocol(local, f"the shard of parameter '{p.fqn}'"):
         return p.wire.wire_nbytes(p.row_layout.padded_numel)
     return p.row_layout.padded_numel * p.layout.gather_dtype.itemsize
 
 
-def _param_facts(p: ShardedParam) -> ParamFacts:
+def _param_facts(p: _ShardedParam) -> ParamFacts:
     local = p.local_tensor()
     return ParamFacts(
         fqn=p.fqn,
@@ -153,8 +175,9 @@ def _backend(process_group) -> str:
         return "unknown"
 
 
-def group_facts(state: GroupHandle) -> GroupFacts:
+def group_facts(handle: GroupHandle) -> GroupFacts:
     """The facts of one group, read now."""
+    state = handle._state
     group, settings, root = state.group, state.settings, state.root
     params = {p: _param_facts(p) for p in group.params}
     reductions = tuple(
@@ -162,16 +185,17 @@ def group_facts(state: GroupHandle) -> GroupFacts:
             r.dtype,
             tuple(params[p] for p in r.params),
             r.row_bytes,
-            *divide_factors(r.dtype, group.world_size, group.dp_size, settings.gradient_divide_factor),
+            *_divide_factors(r.dtype, group.world_size, group.dp_size, settings.gradient_divide_factor),
         )
         for r in group.reduce_plan()
     )
-    defaults = RootState.__dataclass_fields__
+    defaults = _RootState.__dataclass_fields__
     stats = group.stats
     return GroupFacts(
-        handle=state,
+        handle=handle,
         modules=tuple(state.modules),
-        call=tuple((state.primary or state).call_states),
+        call=tuple(_handle(s) for s in (state.primary or state).call_states),
+        root=None if root is None else _handle(root.root_module_state),
         label=group.label,
         mesh_text=state.mesh_text,
         params=tuple(params.values()),
@@ -197,45 +221,53 @@ def group_facts(state: GroupHandle) -> GroupFacts:
 
 
 def groups_in(module: nn.Module) -> list[tuple[str, GroupHandle]]:
-    """Every group in ``module``'s subtree with the name of its first module, in tree order (``states_in``)."""
-    return states_in(module)
+    """Every group in ``module``'s subtree with the name of its first module, in tree order."""
+    return [(name, _handle(state)) for name, state in _states_in(module)]
 
 
 def group_of(module: nn.Module) -> GroupHandle | None:
     """The group of ``module``'s ``fully_shard`` call (its first, for a call on several meshes), if any."""
-    return state_of(module)
+    state = _state_of(module)
+    return None if state is None else _handle(state)
 
 
-def root_of(handle: GroupHandle) -> GroupHandle | None:
-    """The root group lazy init chose for ``handle``'s tree; ``None`` before the first forward."""
-    return None if handle.root is None else handle.root.root_module_state
+def owner_of(parameter: nn.Parameter) -> GroupHandle | None:
+    """The group that manages ``parameter`` (its shard, or an original it replaced), if any."""
+    state = _owner_of(parameter)
+    return None if state is None else _handle(state)
 
 
 def recorded_order(handle: GroupHandle) -> list[GroupHandle]:
     """The forward order the first step recorded in ``handle``'s tree; empty before it."""
-    root = handle.root
-    return [] if root is None or not root.reference_forward_order else list(root.reference_forward_order)
+    root = handle._state.root
+    order = [] if root is None else root.reference_forward_order or []
+    return [_handle(s) for s in order]
 
 
 def unsharded_bytes(handles: list[GroupHandle]) -> int:
     """Bytes the groups hold for unsharded use now: gathered parameters, or post-forward slices."""
-    return sum(h.group.unsharded_nbytes() for h in handles)
+    return sum(h._state.group.unsharded_nbytes() for h in handles)
 
 
 def unsharded_parameters(handle: GroupHandle) -> list[nn.Parameter]:
     """The unsharded parameters of a group built so far (a measured step labels their storage)."""
-    return [p.unsharded_param for p in handle.group.params if p.unsharded_param is not None]
+    return [p.unsharded_param for p in handle._state.group.params if p.unsharded_param is not None]
 
 
 @torch.no_grad()
 def write_full(parameter: nn.Parameter, full: torch.Tensor) -> None:
     """Write ``full``, the global value of the managed ``parameter`` (its sharded parameter), into this
     rank's shard: ``init_sharded_parameters`` initializes at full size, then keeps this rank's rows."""
-    state = owner_of(parameter)
+    state = _owner_of(parameter)
     p = next((p for p in state.group.params if p.sharded_param is parameter), None) if state is not None else None
     if p is None:
         raise ValueError("write_full: the parameter is not a shard fully_shard manages")
     p.local_tensor().copy_(p.shard_of(full))
+
+
+def reshards_after_forward(handle: GroupHandle, is_root: bool) -> bool:
+    """Whether forward frees the group's parameters, as the runtime decides it for a root or another group."""
+    return _schedule.reshards_after_forward(handle._state, is_root)
 
 
 class ScratchSchedule:
@@ -244,59 +276,21 @@ class ScratchSchedule:
     replayed prefetches cannot drift from what training does. Never touches a model's schedule."""
 
     def __init__(self, root: GroupHandle, groups: list[GroupHandle], order: list[GroupHandle], prefetch_limit: int):
-        self._root = RootState(root, groups)
-        self._root.prefetch_limit = prefetch_limit
+        self._root = _RootState(root._state, [h._state for h in groups], prefetch_limit=prefetch_limit)
         for handle in order:
-            record_pre_forward(self._root, handle)
-        end_backward(self._root)  # the reference order; the replay's first record ends the first step
+            _schedule.record_pre_forward(self._root, handle._state)
+        _schedule.end_backward(self._root)  # the reference order; the replay's first record ends the first step
 
     def before_forward(self, handle: GroupHandle) -> list[GroupHandle]:
         """Record ``handle``'s forward; its forward prefetch targets."""
-        record_pre_forward(self._root, handle)
-        return forward_prefetch_targets(self._root, handle)
+        _schedule.record_pre_forward(self._root, handle._state)
+        return self.forward_targets(handle)
 
     def forward_targets(self, handle: GroupHandle) -> list[GroupHandle]:
-        return forward_prefetch_targets(self._root, handle)
+        return [_handle(s) for s in _schedule.forward_prefetch_targets(self._root, handle._state)]
 
     def after_forward(self, handle: GroupHandle) -> None:
-        record_post_forward(self._root, handle)
+        _schedule.record_post_forward(self._root, handle._state)
 
     def backward_targets(self, handle: GroupHandle) -> list[GroupHandle]:
-        return backward_prefetch_targets(self._root, handle)
-
-    def end_backward(self) -> None:
-        end_backward(self._root)
-
-    @staticmethod
-    def reshards_after_forward(handle: GroupHandle, is_root: bool) -> bool:
-        return reshards_after_forward(handle, is_root)
-
-    @staticmethod
-    def unshards_in_backward(handle: GroupHandle) -> bool:
-        return handle.settings.unshard_in_backward
-
-__all__ = [
-    "GroupHandle",
-    "GroupFacts",
-    "ParamFacts",
-    "ReductionFacts",
-    "group_facts",
-    "groups_in",
-    "group_of",
-    "root_of",
-    "recorded_order",
-    "unsharded_bytes",
-    "unsharded_parameters",
-    "write_full",
-    "ScratchSchedule",
-    "owner_of",
-    "set_gather_codec",
-    "row_layout",
-    "reshard_idle",
-    "DIRECT_ALL_GATHER",
-    "DIRECT_REDUCE_SCATTER",
-    "GATHER_METHOD",
-    "ASYNC_ALL_GATHER",
-    "COMPLETED",
-    "wait_named",
-]
+        return [_handle(s) for s in _schedule.backward_prefetch_targets(self._root, handle._state)]

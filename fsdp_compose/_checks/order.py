@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import is_fake
 
 from .._runtime.collectives import ASYNC_MAX_ALL_REDUCE, python_free_tls, wait_named
+from .agreement import raise_together
 
 CHECK_ENV = "FSDP_COMPOSE_CHECK_ORDER"
 MODES = ("1", "strict", "0")
@@ -145,11 +146,14 @@ class Ledger:
             return
         if event is not None:
             event.synchronize()
-        if verdict.item():
-            logs: list = [None] * self.group.size()
-            dist.all_gather_object(logs, [(e.uid, e.kind, e.nbytes) for e in log], group=self.group)
-            message = _first_difference(logs, dist.get_process_group_ranks(self.group), name_of)
-            raise ExecutionOrderError(message if self.before_each else message + FOUND_LATE)
+        if verdict.item():  # every rank read the same verdict: each sends its log, all raise naming the difference
+            ranks, late = dist.get_process_group_ranks(self.group), "" if self.before_each else FOUND_LATE
+            raise_together(
+                [(e.uid, e.kind, e.nbytes) for e in log],
+                group=self.group,
+                cls=ExecutionOrderError,
+                message=lambda logs: _first_difference(logs, ranks, name_of) + late,
+            )
 
 
 def disagreement(mine: torch.Tensor, groups: tuple, name: str | Callable[[], str]) -> torch.Tensor:

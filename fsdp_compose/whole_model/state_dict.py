@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from .._checks.agreement import raise_together
 from .._runtime.params import ShardedParam
 from .._runtime.state import GroupState
 from .full_gather import gather_full_params
@@ -122,15 +123,13 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, Any] | None, *,
     rank = dist.get_rank()
     given = state_dict if rank == 0 else {}
     live = model.state_dict(keep_vars=True)
-    verdict = [None]
-    if rank == 0:  # every check on rank 0 travels in the verdict, so every rank raises together
+    error = None
+    if rank == 0:  # every check runs on rank 0; every rank raises its error
         if not isinstance(given, dict):
-            verdict = [f"load_full_state_dict: rank 0 needs a dict, got {type(given).__name__}"]
+            error = f"load_full_state_dict: rank 0 needs a dict, got {type(given).__name__}"
         else:
-            verdict = [_validation_error(live, given, strict)]
-    dist.broadcast_object_list(verdict, src=0)
-    if verdict[0] is not None:
-        raise ValueError(verdict[0])
+            error = _validation_error(live, given, strict)
+    raise_together(error, cls=ValueError, source=0)
     by_group, managed = _keys_by_group(model, live)
     present = [sorted({k for k, _ in items if k in given}) if rank == 0 else None for items in by_group.values()]
     dist.broadcast_object_list(present, src=0)  # with strict=False a group may be partly absent

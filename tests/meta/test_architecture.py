@@ -351,41 +351,30 @@ ALLOWED_UPWARD lists fsdp_compose/_runtime/x.py -> fsdp_compose/api/fully_shard.
     )
 
 
-# ----- the extras read facts, not runtime objects (issue 49) ----------------------------------------------
-# Attributes of the runtime's objects (GroupState, ParamGroup, ShardedParam, RootState, GroupSettings) that an
-# extra could reach through a handle or a parameter: the extras read ``extras_api.group_facts`` instead, so the runtime
-# can rename them. An extra's own attributes (``self.x``) are its business.
-RUNTIME_ATTRIBUTES = frozenset(
-    {
-        "group", "settings", "root", "primary", "companions", "call_states", "root_module_state", "states",
-        "reference_forward_order", "forward_order", "post_forward_order", "reducing", "unissued", "ledgers",
-        "layout", "row_layout", "form", "extension", "wire", "tp_spec", "places", "sharded_param",
-        "unsharded_param", "accumulated_grad", "local_tensor", "shard_of", "as_shard", "refresh", "choose_form",
-        "stats", "handshakes", "post_forward", "replicate_group", "process_group", "reduce_plan", "dp_size",
-        "unsharded_nbytes", "pending_reduces", "pending_unshard", "is_unsharded", "start_unshard", "wait_unshard",
-    }
-)
+# ----- the extras read facts, not runtime objects (issues 49, 54) -----------------------------------------
+# A group reaches the extras as an ``extras_api.GroupHandle``, which shows nothing of it: its one field is private,
+# and ``extras_api``'s own names have a leading underscore. So one rule keeps the port: the extras use nothing
+# private of it (no ``._state`` read, on a handle or anything else, and no underscored name of ``extras_api``).
+PORT_PRIVATE_FIELD = "_state"
 
 
-def runtime_reaches(tree: ast.AST) -> list[tuple[int, str]]:
-    """``(line, attribute)`` for each read of a runtime object's attribute on anything but ``self`` (an extra's
-    own), ``torch`` (``torch.layout``) or a regular expression's match (``match.group(1)``)."""
-    match_groups = {
-        id(node.func)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "group"
-        and node.args and all(isinstance(a, ast.Constant) for a in node.args)
-    }
+def port_private_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """``(line, what)`` for each read of ``._state`` and each underscored name taken from ``extras_api``
+    (imported from it, or read as ``extras_api._name``)."""
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in RUNTIME_ATTRIBUTES and id(node) not in match_groups:
-            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "torch")):
-                found.append((node.lineno, node.attr))
+        if isinstance(node, ast.Attribute) and node.attr == PORT_PRIVATE_FIELD:
+            found.append((node.lineno, f".{node.attr}"))
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "extras_api":
+            if node.attr.startswith("_"):
+                found.append((node.lineno, f"extras_api.{node.attr}"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[-1] == "extras_api":
+            found += [(node.lineno, f"extras_api.{a.name}") for a in node.names if a.name.startswith("_")]
     return sorted(found)
 
 
 def _extras_files() -> list[Path]:
-    """The extras that could hold a runtime object: ``optim/`` takes only ``row_layout`` (checked below)."""
+    """The extras that could hold a handle: ``optim/`` takes only ``row_layout`` (checked below)."""
     inside = sorted((PACKAGE / "extras").rglob("*.py"))
     return inside + [p for root in EXTRA_PACKAGES for p in sorted(root.rglob("*.py"))]
 
@@ -401,21 +390,21 @@ def test_optim_takes_only_the_row_geometry_of_the_core():
     assert taken == {"row_layout"}
 
 
-def test_extras_reach_no_runtime_internals():
-    reaches = [
-        f"{path.relative_to(REPO)}:{line}: .{attr}"
+def test_extras_use_nothing_private_of_the_port():
+    uses = [
+        f"{path.relative_to(REPO)}:{line}: {what}"
         for path in _extras_files()
-        for line, attr in runtime_reaches(ast.parse(path.read_text()))
+        for line, what in port_private_uses(ast.parse(path.read_text()))
     ]
-    assert reaches == [], "extras reach runtime internals; read extras_api.group_facts instead:\n" + "\n".join(reaches)
+    assert uses == [], "extras use what extras_api keeps private; read extras_api.group_facts instead:\n" + "\n".join(uses)
 
 
-def test_runtime_reaches_are_found_through_any_chain_but_self():
+def test_port_private_uses_are_found():
     tree = ast.parse(
-        "state.group.params[0].layout\nself.group.rank()\nfacts.params\nx = h.settings.mp_policy\n"
-        "torch.layout\nmatch.group(1)\nstate.group.reduce_plan()\n"
+        "h._state.phase\nself._state\nfacts.params\nfrom ..extras_api import group_facts, _handle\n"
+        "from fsdp_compose import extras_api\nextras_api._handles\nextras_api.group_of(m)\nself._ranks()\n"
     )
     assert_expected_inline(
-        str(runtime_reaches(tree)),
-        """[(1, 'group'), (1, 'layout'), (4, 'settings'), (7, 'group'), (7, 'reduce_plan')]""",
+        str(port_private_uses(tree)),
+        """[(1, '._state'), (2, '._state'), (4, 'extras_api._handle'), (6, 'extras_api._handles')]""",
     )

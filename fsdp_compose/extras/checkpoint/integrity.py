@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from ...extras_api import raise_together
 from . import files, safety
 from .errors import CheckpointError
 
@@ -146,22 +147,25 @@ def verify(directory: Path, checksums: bool = True) -> Metadata:
                 if found is not None:
                     problems[name] = found
     metadata, layout = (None, []) if problems.get(MANIFEST) else _checked_metadata(directory, listed)
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (problems, layout))
-    problems = {name: what for part, _ in everyone for name, what in part.items()}
+    found = (problems, layout) if problems or layout else None
+    raise_together(found, cls=CheckpointError, message=lambda everyone: _verdict(directory, everyone))
+    return metadata
+
+
+def _verdict(directory: Path, everyone: list) -> str:
+    """The message from every rank's ``(problems, layout)`` (``None`` where a rank found nothing): the files
+    that failed first, else the entries the file layer refuses."""
+    found = [part for part in everyone if part is not None]
+    problems = {name: what for part, _ in found for name, what in part.items()}
     if problems:
         lines = [f"  {_label(directory, name)}: {what}" for name, what in sorted(problems.items())]
-        raise CheckpointError(
-            f"checkpoint {str(directory)!r} failed its integrity check; nothing was loaded:\n" + "\n".join(lines)
-        )
-    layout = sorted({line for _, part in everyone for line in part})
-    if layout:
-        raise CheckpointError(
-            f"checkpoint {str(directory)!r} points at data it may not read; nothing was loaded:\n  "
-            + "\n  ".join(layout[:12])
-            + (f"\n  ... and {len(layout) - 12} more" if len(layout) > 12 else "")
-        )
-    return metadata
+        return f"checkpoint {str(directory)!r} failed its integrity check; nothing was loaded:\n" + "\n".join(lines)
+    layout = sorted({line for _, part in found for line in part})
+    return (
+        f"checkpoint {str(directory)!r} points at data it may not read; nothing was loaded:\n  "
+        + "\n  ".join(layout[:12])
+        + (f"\n  ... and {len(layout) - 12} more" if len(layout) > 12 else "")
+    )
 
 
 def claim(partial: Path) -> None:

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from ...extras_api import reshard_idle
+from ...extras_api import raise_together, reshard_idle
 from . import integrity
 from .errors import CheckpointError
 from .keys import flatten, format_problems, map_leaves, mismatches
@@ -86,15 +86,13 @@ def _publish(path: Path, partial: Path, previous: Path, keep_previous: bool) -> 
 
 def _on_rank0_then_all(work: Callable[[], None], what: str) -> None:
     """Run file work on rank 0; if it fails, every rank raises (none is left at a barrier)."""
-    failure = [None]
+    failure = None
     if dist.get_rank() == 0:
         try:
             work()
         except Exception as error:  # noqa: BLE001 - reported to every rank below
-            failure = [f"{type(error).__name__}: {error}"]
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        raise CheckpointError(f"save_checkpoint failed while {what} on rank 0: {failure[0]}")
+            failure = f"save_checkpoint failed while {what} on rank 0: {type(error).__name__}: {error}"
+    raise_together(failure, cls=CheckpointError, source=0)
 
 
 def exists(path: str | os.PathLike) -> bool:

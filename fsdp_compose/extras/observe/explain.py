@@ -18,12 +18,11 @@ from torch import nn
 from ...extras_api import (
     GroupFacts,
     GroupHandle,
-    ScratchSchedule,
     group_facts,
     group_of,
     groups_in,
     recorded_order,
-    root_of,
+    reshards_after_forward,
     unsharded_bytes,
 )
 from . import memory, plan
@@ -212,7 +211,7 @@ def explain(
             plan.plan_group(
                 g,
                 names[s],
-                ScratchSchedule.reshards_after_forward(s, is_root),
+                reshards_after_forward(s, is_root),
                 is_root,
                 [names[t] for t in schedules[s].forward_targets(s)],
                 [names[t] for t in schedules[s].backward_targets(s)],
@@ -239,7 +238,7 @@ def _roots(model: nn.Module, facts: dict[GroupHandle, GroupFacts]) -> dict[Group
         handle = group_of(module)
         if handle in facts:
             above = above or handle
-            chosen = root_of(handle)
+            chosen = facts[handle].root
             for s in facts[handle].call:  # a call's groups on other meshes share its root
                 roots.setdefault(s, chosen if chosen is not None else above)
         stack.extend((child, above) for child in reversed(list(module.children())))

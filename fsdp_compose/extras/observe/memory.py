@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ...extras_api import GroupFacts, GroupHandle, ScratchSchedule
+from ...extras_api import GroupFacts, GroupHandle, ScratchSchedule, reshards_after_forward
 from .plan import GroupSizes
 
 
@@ -161,7 +161,7 @@ def replay(
     def post_forward(call: Call) -> None:
         s = call.state
         schedules[s].after_forward(s)
-        if ScratchSchedule.reshards_after_forward(s, facts[s].call[0] in roots):
+        if reshards_after_forward(s, facts[s].call[0] in roots):
             reshard(s, after_forward=True)
 
     for call in calls:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from .agreement import raise_on_every_rank
+from ...extras_api import raise_together
 from .checkpoint_dir import read_checkpoint
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors, non_persistent_buffers
@@ -77,7 +77,7 @@ def load_pretrained(
             error = f"{path}: {_mismatch(plan.missing, plan.unexpected)}; pass key_map to rename, or strict=False"
     except (PretrainedCheckpointError, OSError, ValueError, NotImplementedError) as failure:
         error = str(failure)
-    raise_on_every_rank(error)
+    raise_together(error, cls=PretrainedCheckpointError)  # a file bad on one rank: none loads anything
     assert plan is not None
     _materialize(model, plan.rebuild, init_buffers)
     now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
