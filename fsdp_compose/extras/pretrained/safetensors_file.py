@@ -42,6 +42,8 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+# safetensors' own order of its dtypes (its writer puts the last first): by element size, so each tensor stays aligned
+_WRITE_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
 # a header larger than this is not a real one (safetensors itself refuses above 100 MB)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
@@ -155,12 +157,13 @@ def _check_layout(path: str, entries: dict[str, TensorEntry], data_start: int, s
 
 
 def header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
-    """The header (length prefix included) of a file holding ``tensors`` back to back in that order, and each
-    tensor's byte offset from the start of the file. The JSON is padded with spaces to a multiple of 8, as
-    safetensors writes it, so the data starts aligned."""
+    """The header (length prefix included) of a file holding ``tensors`` back to back, and each tensor's byte
+    offset from the start of the file. Laid out as safetensors' writer lays them (its dtype order, widest
+    first, then by name) after a header padded with spaces to a multiple of 8: every tensor starts at a
+    multiple of its element size, as zero-copy readers expect."""
     header: dict[str, object] = {METADATA_KEY: metadata}
     offset, relative = 0, {}
-    for name, dtype, shape in tensors:
+    for name, dtype, shape in sorted(tensors, key=lambda t: (-_WRITE_ORDER.index(NAMES[t[1]]), t[0])):
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         relative[name] = offset

@@ -390,3 +390,32 @@ def test_every_refusal_pickles() -> None:
     refused = pickle.loads(pickle.dumps(FileRefused("/d/f", "why")))
     assert (refused.path, refused.reason) == ("/d/f", "why")
 
+def test_saved_files_are_what_safetensors_writes(tmp_path) -> None:
+    """save_pretrained's files, byte for byte what ``safetensors.torch.save`` writes for the same tensors: its
+    layout (widest dtype first, then by name), so every tensor starts at a multiple of its element size, and
+    ``safe_open`` reads each back."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from safetensors import safe_open
+
+    from fsdp_compose import save_pretrained
+
+    model = nn.Module()
+    for name, value in {
+        "flag": torch.tensor([True, False, True]),
+        "b16": torch.arange(5, dtype=torch.bfloat16),
+        "count": torch.arange(3, dtype=torch.int64),
+        "w": torch.arange(6.0).view(2, 3),
+        "byte": torch.arange(7, dtype=torch.uint8),
+        "h": torch.arange(3, dtype=torch.float16),
+    }.items():
+        model.register_buffer(name, value)
+    save_pretrained(model, str(tmp_path / "out"))
+    ours = (tmp_path / "out" / "model.safetensors").read_bytes()
+    assert ours == safetensors_torch.save(dict(model.state_dict()), metadata={"format": "pt"})
+    length = struct.unpack("<Q", ours[:8])[0]
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        for name, value in model.state_dict().items():
+            assert torch.equal(f.get_tensor(name), value), name
+    for name, entry in json.loads(ours[8 : 8 + length]).items():
+        if name != "__metadata__":
+            assert (8 + length + entry["data_offsets"][0]) % model.state_dict()[name].element_size() == 0, name
