@@ -2,7 +2,8 @@
 
 ``load_pretrained`` reads only each rank's rows; ``save_pretrained`` writes each rank's rows at their byte
 offsets. Files are read through the checkpoint package's file layer (``extras/checkpoint/files.py``), and the
-safetensors header parsed here (``safetensors_file.py``) from the descriptor it checked.
+safetensors header parsed here (``safetensors_file.py``) from the descriptor it checked; saves go through a
+fresh directory swapped into place (``save_dir.py``).
 """
 
 from .load import LoadResult, load_pretrained

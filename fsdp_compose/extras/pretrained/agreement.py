@@ -8,16 +8,23 @@ import torch.distributed as dist
 from .safetensors_file import PretrainedCheckpointError
 
 
-def raise_on_every_rank(error: str | None) -> None:
-    """Raise ``PretrainedCheckpointError`` on every rank if any rank's check failed (one object all-gather)."""
+def agreed_error(error: str | None) -> str | None:
+    """The first failing rank's error, naming that rank, on every rank; None if no rank's check failed (one
+    object all-gather)."""
     errors = [error]
     if dist.is_initialized() and dist.get_world_size() > 1:
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
     failed = [(rank, e) for rank, e in enumerate(errors) if e is not None]
     if not failed:
-        return
+        return None
     rank, message = failed[0]
     others = f" and {len(failed) - 1} other rank(s)" if len(failed) > 1 else ""
-    where = f" (rank {rank}{others})" if len(errors) > 1 else ""
-    raise PretrainedCheckpointError(message + where)
+    return message + (f" (rank {rank}{others})" if len(errors) > 1 else "")
+
+
+def raise_on_every_rank(error: str | None) -> None:
+    """Raise ``PretrainedCheckpointError`` on every rank if any rank's check failed."""
+    message = agreed_error(error)
+    if message is not None:
+        raise PretrainedCheckpointError(message)
