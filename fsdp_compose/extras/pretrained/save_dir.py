@@ -192,6 +192,11 @@ def _prepare(target: str) -> tuple[str, str, int]:
         )
     if seen is not None and not stat.S_ISDIR(seen.st_mode):
         raise PretrainedCheckpointError("exists and is not a directory")
+    here = os.path.realpath(os.getcwd())
+    if seen is not None and os.path.commonpath([here, os.path.realpath(target)]) == os.path.realpath(target):
+        raise PretrainedCheckpointError(
+            "holds the working directory, and a save replaces the directory whole: save into a subdirectory"
+        )
     for leftover in sorted(n for n in os.listdir(parent) if n.startswith(f".{name}.saving-")):
         warnings.warn(
             f"{os.path.join(parent, leftover)}: left by a save_pretrained that did not finish (it holds a partial "

@@ -54,7 +54,7 @@ def _weights(path: str) -> list[str]:
     return sorted(n for n in os.listdir(path) if n.endswith((".safetensors", ".json")))
 
 
-def test_links_planted_in_the_target_are_never_written_through(tmp_path) -> None:
+def test_links_planted_in_the_target_are_never_written_through(tmp_path, monkeypatch) -> None:
     target, outside = str(tmp_path / "ckpt"), tmp_path / "outside.bin"
     outside.write_bytes(b"not yours")
     save_pretrained(_model(0), target)
@@ -72,6 +72,9 @@ def test_links_planted_in_the_target_are_never_written_through(tmp_path) -> None
     with pytest.raises(PretrainedCheckpointError, match=r"link: a symbolic link; save_pretrained replaces the directory"):
         save_pretrained(_model(2), str(tmp_path / "link"))
     assert _which(target, _model(0), new) == "new"
+    monkeypatch.chdir(target)  # a save replaces the directory whole: never the one a process works in
+    with pytest.raises(PretrainedCheckpointError, match=r"^save_pretrained: \.: holds the working directory"):
+        save_pretrained(_model(2), ".")
 
 
 def _exit_after(real, calls: int = 1):
