@@ -129,14 +129,13 @@ class CheckedFile:
         """Fill ``buffer`` from byte ``offset``: all of it, or ``FileRefused`` (the file ended sooner)."""
         end = offset + len(buffer)
         if offset < 0 or end > self.size:
-            raise FileRefused(self.path, f"bytes {offset} to {end} asked for, past the {self.size} it held when checked")
+            raise FileRefused(self.path, f"bytes {offset} to {end} asked for, past its {self.size} bytes")
         done = 0
         while done < len(buffer):
             got = _pread_into(self.fd, buffer[done:], offset + done)
             if not got:
-                raise FileRefused(
-                    self.path, f"ended at byte {offset + done}, short of the {self.size} it held when checked (truncated)"
-                )
+                held = f"short of the {self.size} it held when checked (truncated)"
+                raise FileRefused(self.path, f"ended at byte {offset + done}, {held}")
             done += got
 
     def changed(self) -> str | None:

@@ -43,7 +43,10 @@ DTYPES: dict[str, torch.dtype] = {
 }
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
 # safetensors' own order of its dtypes (its writer puts the last first): by element size, so each tensor stays aligned
-_WRITE_ORDER = ["BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64"]
+_WRITE_ORDER = [
+    *("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16"),
+    *("I32", "U32", "F32", "C64", "F64", "I64", "U64"),
+]
 # a header larger than this is not a real one (safetensors itself refuses above 100 MB)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
@@ -100,7 +103,9 @@ def read_header(file: CheckedFile) -> Header:
         metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         kind = "an object holding more than strings" if isinstance(metadata, dict) else _JSON_KINDS[type(metadata)]
-        raise PretrainedCheckpointError(f"{path}: '{METADATA_KEY}' must be an object mapping names to strings, not {kind}")
+        raise PretrainedCheckpointError(
+            f"{path}: '{METADATA_KEY}' must be an object mapping names to strings, not {kind}"
+        )
     data_start = 8 + length
     entries = {name: _entry(path, name, value, data_start, size, file) for name, value in header.items()}
     _check_layout(path, entries, data_start, size)

@@ -85,7 +85,8 @@ def save_pretrained(
 
 
 def _write_rows(
-    out: SaveDir, name: str, header: bytes, offsets: dict[str, int], members: list[ModelTensor], rank: int, failure: str | None
+    out: SaveDir, name: str, header: bytes, offsets: dict[str, int], members: list[ModelTensor], rank: int,
+    failure: str | None,
 ) -> str | None:
     """Rank 0 creates the file at full size with its header; then every rank writes its own rows into it."""
     if rank == 0 and failure is None:
@@ -115,7 +116,8 @@ def _pwrite_rows(fd: int, offsets: dict[str, int], members: list[ModelTensor], r
 
 
 def _write_whole(
-    out: SaveDir, name: str, header: bytes, offsets: dict[str, int], members: list[ModelTensor], rank: int, failure: str | None
+    out: SaveDir, name: str, header: bytes, offsets: dict[str, int], members: list[ModelTensor], rank: int,
+    failure: str | None,
 ) -> str | None:
     """Rank 0 writes the file; each tensor is gathered whole, one at a time (every rank takes part)."""
     fd = None

@@ -93,7 +93,7 @@ class SaveDir:
         return os.path.join(self.staging, name)
 
     def create(self, name: str, header: bytes, size: int) -> None:
-        """Rank 0: a new file ``name`` of ``size`` bytes starting with ``header`` (never an existing one, never a link)."""
+        """Rank 0: a new file ``name`` of ``size`` bytes starting with ``header`` (never an existing one or a link)."""
         fd = os.open(self.path(name), _CREATE, 0o644)
         try:
             pwrite_all(fd, memoryview(header), 0)
@@ -146,7 +146,9 @@ class SaveDir:
         if message is not None:
             if _rank() == 0:
                 shutil.rmtree(self.staging, ignore_errors=True)
-            raise PretrainedCheckpointError(f"save_pretrained to {self.target} failed; it was left as it was: {message}")
+            raise PretrainedCheckpointError(
+                f"save_pretrained to {self.target} failed; it was left as it was: {message}"
+            )
 
     def _publish(self) -> None:
         """Rank 0: flush, carry the target's other files over, swap; then clear the old directory away."""
