@@ -2,8 +2,11 @@
 
 Each rank reads the byte runs of its own rows of each tensor (one run for a ``Shard(0)`` parameter), converts
 them to the parameter's dtype and copies them into its local shard, in place: no rank builds a full tensor or
-a state dict. Everything is checked first, on every rank (the files' headers, the names, the shapes): an error
-leaves the model untouched everywhere.
+a state dict. Everything is checked first, on every rank (the files, opened once through the checkpoint file
+layer, their headers, the names, the shapes and, last, that no file changed since it was checked): an error
+leaves the model untouched everywhere. Every byte is read from the descriptor that was checked, so a name swapped
+for a link or a FIFO afterwards is never read through; a file truncated while being read raises on every rank,
+saying the model holds part of it.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...extras_api import raise_together
-from .checkpoint_dir import read_checkpoint
+from ..checkpoint.files import FileRefused
+from .checkpoint_dir import open_checkpoint, refused
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors, non_persistent_buffers
 from .progress import progress_bar
@@ -70,24 +74,22 @@ def load_pretrained(
     on the ``fsdp_compose`` logger.
     """
     began = time.perf_counter()
-    error, plan = None, None
+    error, plan, checkpoint = None, None, None
     try:
-        plan = _plan(model, path, key_map, init_buffers)
+        checkpoint = open_checkpoint(path)  # every file open and checked; its header read from that descriptor
+        plan = _plan(model, checkpoint.tensors, key_map, init_buffers)
         if strict and (plan.missing or plan.unexpected):
             error = f"{path}: {_mismatch(plan.missing, plan.unexpected)}; pass key_map to rename, or strict=False"
+        error = error or checkpoint.changed()  # the last check before a byte is written: every file as checked
     except (PretrainedCheckpointError, OSError, ValueError, NotImplementedError) as failure:
         error = str(failure)
-    raise_together(error, cls=PretrainedCheckpointError)  # a file bad on one rank: none loads anything
-    assert plan is not None
-    _materialize(model, plan.rebuild, init_buffers)
-    now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
-    bytes_read = 0
-    mine = sum(n for _, entry, region in plan.loads for *_, n in region.runs(entry.dtype.itemsize))
-    with progress_bar(mine, "load_pretrained", enabled=progress) as bar:
-        for target, entry, region in plan.loads:
-            n = _read_into(_local(now[target.names[0]]), entry, region)
-            bytes_read += n
-            bar.update(n)
+    try:
+        raise_together(error, cls=PretrainedCheckpointError)  # a file bad on one rank: none loads anything
+        assert plan is not None
+        bytes_read = _read_all(model, plan, init_buffers, progress)
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
     if logger.isEnabledFor(logging.INFO):
         seconds = time.perf_counter() - began
         total = sum(entry.nbytes for _, entry, _ in plan.loads)
@@ -103,8 +105,26 @@ def _this_rank() -> str:
     return f"rank {dist.get_rank()}" if dist.is_initialized() else "this process"
 
 
-def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> _Plan:
-    found = read_checkpoint(path)
+def _read_all(model: nn.Module, plan: _Plan, init_buffers, progress: bool) -> int:
+    """Materialize a model on meta, then read this rank's rows of every tensor into its shards; bytes read. A
+    file that changes while it is read (after every check passed) raises on every rank."""
+    _materialize(model, plan.rebuild, init_buffers)
+    now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
+    bytes_read, error = 0, None
+    mine = sum(n for _, entry, region in plan.loads for *_, n in region.runs(entry.dtype.itemsize))
+    with progress_bar(mine, "load_pretrained", enabled=progress) as bar:
+        try:
+            for target, entry, region in plan.loads:
+                n = _read_into(_local(now[target.names[0]]), entry, region)
+                bytes_read += n
+                bar.update(n)
+        except PretrainedCheckpointError as failure:
+            error = f"{failure}; the model holds part of the checkpoint: load it again"
+    raise_together(error, cls=PretrainedCheckpointError)
+    return bytes_read
+
+
+def _plan(model: nn.Module, found: dict[str, TensorEntry], key_map: KeyMap | None, init_buffers) -> _Plan:
     renamed: dict[str, TensorEntry] = {}
     for name, entry in found.items():
         new = key_map(name) if callable(key_map) else (key_map or {}).get(name, name)
@@ -188,16 +208,12 @@ def _read_into(local: torch.Tensor, entry: TensorEntry, region: Region) -> int:
         return 0
     direct = local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous()
     buffer = local.detach().view(-1).view(torch.uint8) if direct else torch.empty(nbytes, dtype=torch.uint8)
-    view = buffer.numpy()
-    with open(entry.file, "rb", buffering=0) as f:
-        for in_tensor, in_buffer, n in runs:
-            f.seek(entry.begin + in_tensor)
-            done = 0
-            while done < n:
-                got = f.readinto(memoryview(view)[in_buffer + done : in_buffer + n])
-                if not got:
-                    raise PretrainedCheckpointError(f"{entry.file}: tensor '{entry.name}': the file ended early (changed while loading?)")
-                done += got
+    view = memoryview(buffer.numpy())
+    try:
+        for in_tensor, in_buffer, n in runs:  # from the descriptor the checks opened, never by name again
+            entry.source.read_into(view[in_buffer : in_buffer + n], entry.begin + in_tensor)
+    except (FileRefused, OSError) as error:
+        raise refused(error, entry.file) from None
     if not direct:
         local.copy_(buffer.view(entry.dtype).view(region.local_shape))
     return nbytes
