@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from .agreement import raise_on_every_rank
 from .checkpoint_dir import read_checkpoint
+from .conversions import CheckpointLayout, Fused, from_checkpoint_layout, read_fused, remember_conversions
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors, non_persistent_buffers
 from .progress import progress
@@ -39,6 +40,8 @@ class _Plan(NamedTuple):
     missing: list[str]
     unexpected: list[str]
     rebuild: list[tuple[nn.Module, str, str]]  # non-persistent buffers on meta, to compute again
+    fused: list[tuple[ModelTensor, Fused, Region]]  # conversions: a tensor made of several (experts' fused)
+    layout: CheckpointLayout
 
 
 @torch.no_grad()
@@ -72,10 +75,15 @@ def load_pretrained(
     _materialize(model, plan.rebuild, init_buffers)
     now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
     bytes_read = 0
-    with progress(sum(entry.nbytes for _, entry, _ in plan.loads), "load_pretrained") as bar:
+    total = sum(entry.nbytes for _, entry, _ in plan.loads) + sum(_nbytes(fused) for _, fused, _ in plan.fused)
+    with progress(total, "load_pretrained") as bar:
         for target, entry, region in plan.loads:
             bytes_read += _read_into(_local(now[target.names[0]]), entry, region)
             bar.update(entry.nbytes)
+        for target, fused, region in plan.fused:  # conversions: read only the sources of this rank's rows
+            bytes_read += read_fused(_local(now[target.names[0]]), region, fused, _read_into)
+            bar.update(_nbytes(fused))
+    remember_conversions(model, plan.layout)
     return LoadResult(plan.missing, plan.unexpected, bytes_read)
 
 
@@ -89,9 +97,22 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
         if new in renamed:
             raise PretrainedCheckpointError(f"{entry.file}: tensors '{renamed[new].name}' and '{name}' both map to '{new}'")
         renamed[new] = entry
-    loads, missing, known = [], [], set()
-    for target in checkpoint_tensors(model):
+    model_tensors = checkpoint_tensors(model)
+    # conversions: from_pretrained's renamings, and tensors made of several (one per expert on disk)
+    layout = from_checkpoint_layout(model, renamed, {name for t in model_tensors for name in t.names})
+    renamed = layout.renamed
+    loads, fused, missing, known = [], [], [], set()
+    for target in model_tensors:
         known.update(target.names)
+        made = next((layout.fused[n] for n in target.names if n in layout.fused), None)
+        if made is not None:
+            if tuple(made.layout.shape) != tuple(target.tensor.shape):
+                raise PretrainedCheckpointError(
+                    f"tensors {', '.join(made.entries)} make shape {list(made.layout.shape)}, "
+                    f"the model's '{target.names[0]}' {list(target.tensor.shape)}"
+                )
+            fused.append((target, made, region_of(target.tensor, target.names[0])))
+            continue
         entry = next((renamed[n] for n in target.names if n in renamed), None)
         if entry is None:
             missing.append(target.names[0])
@@ -117,7 +138,11 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
             f"non-persistent buffers {names} are on meta and no checkpoint holds them; pass "
             "init_buffers=fn(module) that computes them (what the module's __init__ does)"
         )
-    return _Plan(loads, missing, unexpected, rebuild)
+    return _Plan(loads, missing, unexpected, rebuild, fused, layout)
+
+
+def _nbytes(fused: Fused) -> int:
+    return sum(entry.nbytes for entry in fused.entries.values())
 
 
 def _mismatch(missing: list[str], unexpected: list[str]) -> str:

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from ... import FSDPModule
 
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
+from .conversions import ConvertedTensor, to_checkpoint_layout
 from .local_region import region_of
 from .model_tensors import ModelTensor, checkpoint_tensors
 from .progress import progress
@@ -50,6 +51,7 @@ def save_pretrained(
             raise ValueError(f"save_pretrained: '{target.names[0]}' is on meta; it has no values to save")
         if target.tensor.dtype not in NAMES:
             raise ValueError(f"save_pretrained: '{target.names[0]}' has dtype {target.tensor.dtype}, which safetensors cannot hold")
+    tensors = to_checkpoint_layout(model, tensors)  # conversions: the names and layout transformers writes
     files = _split(tensors, _bytes(max_shard_size))
     rank = dist.get_rank() if dist.is_initialized() else 0
     os.makedirs(path, exist_ok=True)
@@ -86,6 +88,10 @@ def _write_rows(file: str, header: bytes, offsets: dict[str, int], members: list
     fd = os.open(file, os.O_WRONLY)
     try:
         for target in members:
+            if isinstance(target, ConvertedTensor):  # conversions: the parts of it this rank's shards hold
+                for in_tensor, data in target.rows(rank):
+                    _pwrite_all(fd, data, offsets[target.names[0]] + in_tensor)
+                continue
             tensor = target.tensor
             region = region_of(tensor, target.names[0])
             if not region.writer or (not isinstance(tensor, DTensor) and rank != 0):
@@ -109,6 +115,8 @@ def _write_whole(file: str, header: bytes, offsets: dict[str, int], members: lis
         for target in members:
             tensor = target.tensor
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if isinstance(target, ConvertedTensor):  # conversions: made of the model's tensors, each gathered once
+                full = target.whole()
             if fd is not None:
                 data = full.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
                 _pwrite_all(fd, memoryview(data), offsets[target.names[0]])
