@@ -34,9 +34,9 @@ from .safetensors_file import PretrainedCheckpointError, TensorEntry
 
 @dataclasses.dataclass
 class Fused:
-    """A model tensor made of several checkpoint tensors: ``layout`` over the ``entries``' names."""
+    """A model tensor made of several checkpoint tensors: ``made_of`` over the ``entries``' names."""
 
-    layout: Layout
+    made_of: Layout
     entries: dict[str, TensorEntry]
 
 
@@ -94,7 +94,7 @@ def read_fused(local: torch.Tensor, region: Region, fused: Fused, read_into: Cal
     """Read the checkpoint tensors' parts of ``region`` into ``local`` (this rank's part); bytes read.
     ``read_into(tensor, entry, region)`` is ``load.py``'s reader: ``region`` of ``entry`` into ``tensor``."""
     nbytes = 0
-    for piece in fused.layout.pieces(region.box):
+    for piece in fused.made_of.pieces(region.box):
         entry = fused.entries[piece.source]
         part = torch.empty([size for _, size in piece.source_box], dtype=local.dtype)
         nbytes += read_into(part, entry, Region(entry.shape, piece.source_box, writer=True))
@@ -105,16 +105,16 @@ def read_fused(local: torch.Tensor, region: Region, fused: Fused, read_into: Cal
 @dataclasses.dataclass
 class ConvertedTensor(ModelTensor):
     """A checkpoint tensor made of model tensors (one expert's ``w1`` out of a fused ``gate_up_proj``). Its
-    ``tensor`` is on meta (the shape and dtype the file holds); ``layout`` is over ``sources``' names."""
+    ``tensor`` is on meta (the shape and dtype the file holds); ``made_of`` is over ``sources``' names."""
 
-    layout: Layout | None = None
+    made_of: Layout | None = None
     sources: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
     gathered: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # shared: the last full source
 
     def rows(self, rank: int) -> Iterator[tuple[int, memoryview]]:
         """``(byte offset in the tensor, bytes)`` of each run this rank writes: the parts its shards hold."""
         itemsize = self.tensor.dtype.itemsize
-        for piece in self.layout.pieces(full_box(self.tensor.shape)):
+        for piece in self.made_of.pieces(full_box(self.tensor.shape)):
             source = self.sources[piece.source]
             region = region_of(source, piece.source)
             if not region.writer or (not isinstance(source, DTensor) and rank != 0):
@@ -131,7 +131,7 @@ class ConvertedTensor(ModelTensor):
     def whole(self) -> torch.Tensor:
         """The whole tensor, on every rank (each source gathered once while its checkpoint tensors are written)."""
         out = torch.empty(self.tensor.shape, dtype=self.tensor.dtype)
-        for piece in self.layout.pieces(full_box(self.tensor.shape)):
+        for piece in self.made_of.pieces(full_box(self.tensor.shape)):
             source = self.sources[piece.source]
             if id(source) not in self.gathered:
                 self.gathered.clear()

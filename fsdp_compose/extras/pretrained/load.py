@@ -41,7 +41,7 @@ class _Plan(NamedTuple):
     unexpected: list[str]
     rebuild: list[tuple[nn.Module, str, str]]  # non-persistent buffers on meta, to compute again
     fused: list[tuple[ModelTensor, Fused, Region]]  # conversions: a tensor made of several (experts' fused)
-    layout: CheckpointLayout
+    conversions: CheckpointLayout
 
 
 @torch.no_grad()
@@ -83,7 +83,7 @@ def load_pretrained(
         for target, fused, region in plan.fused:  # conversions: read only the sources of this rank's rows
             bytes_read += read_fused(_local(now[target.names[0]]), region, fused, _read_into)
             bar.update(_nbytes(fused))
-    remember_conversions(model, plan.layout)
+    remember_conversions(model, plan.conversions)
     return LoadResult(plan.missing, plan.unexpected, bytes_read)
 
 
@@ -99,16 +99,16 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
         renamed[new] = entry
     model_tensors = checkpoint_tensors(model)
     # conversions: from_pretrained's renamings, and tensors made of several (one per expert on disk)
-    layout = from_checkpoint_layout(model, renamed, {name for t in model_tensors for name in t.names})
-    renamed = layout.renamed
+    converted = from_checkpoint_layout(model, renamed, {name for t in model_tensors for name in t.names})
+    renamed = converted.renamed
     loads, fused, missing, known = [], [], [], set()
     for target in model_tensors:
         known.update(target.names)
-        made = next((layout.fused[n] for n in target.names if n in layout.fused), None)
+        made = next((converted.fused[n] for n in target.names if n in converted.fused), None)
         if made is not None:
-            if tuple(made.layout.shape) != tuple(target.tensor.shape):
+            if tuple(made.made_of.shape) != tuple(target.tensor.shape):
                 raise PretrainedCheckpointError(
-                    f"tensors {', '.join(made.entries)} make shape {list(made.layout.shape)}, "
+                    f"tensors {', '.join(made.entries)} make shape {list(made.made_of.shape)}, "
                     f"the model's '{target.names[0]}' {list(target.tensor.shape)}"
                 )
             fused.append((target, made, region_of(target.tensor, target.names[0])))
@@ -138,7 +138,7 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
             f"non-persistent buffers {names} are on meta and no checkpoint holds them; pass "
             "init_buffers=fn(module) that computes them (what the module's __init__ does)"
         )
-    return _Plan(loads, missing, unexpected, rebuild, fused, layout)
+    return _Plan(loads, missing, unexpected, rebuild, fused, converted)
 
 
 def _nbytes(fused: Fused) -> int:
