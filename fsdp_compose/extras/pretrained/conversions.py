@@ -137,7 +137,8 @@ class ConvertedTensor(ModelTensor):
                 self.gathered.clear()
                 self.gathered[id(source)] = source.full_tensor() if isinstance(source, DTensor) else source
             full = self.gathered[id(source)].detach().to("cpu")
-            out[slices(piece.box, full_box(out.shape))] = piece.arrange(full[slices(piece.source_box, full_box(full.shape))])
+            values = full[slices(piece.source_box, full_box(full.shape))]
+            out[slices(piece.box, full_box(out.shape))] = piece.arrange(values)
         return out
 
 
@@ -180,19 +181,27 @@ def to_checkpoint_layout(model: nn.Module, tensors: list[ModelTensor]) -> list[M
 def _convert(converter, first: str, model: nn.Module, members: dict) -> dict[str, Layout]:
     """A converter's operations run on ``Layout``s: ``{name: layout}``."""
     ops = ", ".join(type(op).__name__ for op in getattr(converter, "operations", []))
+    what = f"'{first}' from {_names(members)}"
     try:
         outputs = converter.convert(first, model=model, config=getattr(model, "config", None))
     except (UnsupportedConversion, AttributeError) as error:
         raise NotImplementedError(
-            f"'{first}': transformers converts {', '.join(members)} with {ops}, which needs the values ({error}); "
-            "load_pretrained/save_pretrained can only move data (stack, cat, chunk, split, transpose)"
+            f"{what}: transformers converts them with {ops}, which needs the values ({error}); "
+            "load_pretrained/save_pretrained move data only (stack, cat, chunk, split, transpose)"
         ) from None
     except (ValueError, IndexError) as error:
-        raise PretrainedCheckpointError(f"'{first}': tensors {', '.join(members)} do not convert with {ops}: {error}") from None
+        files = sorted({e.file for e in members.values() if isinstance(e, TensorEntry)})
+        where = ", ".join(files) or "the model"
+        raise PretrainedCheckpointError(f"{where}: {what} do not convert with {ops}: {error}") from None
     converted = {name: value[0] if isinstance(value, list) else value for name, value in outputs.items()}
     if not all(isinstance(value, Layout) for value in converted.values()):
-        raise NotImplementedError(f"'{first}': transformers' {ops} made something other than tensors of {', '.join(members)}")
+        raise NotImplementedError(f"{what}: transformers' {ops} made something other than tensors")
     return converted
+
+
+def _names(members: dict) -> str:
+    names = list(members)
+    return ", ".join(f"'{n}'" for n in names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def _split(transforms: list) -> tuple[list, list, dict]:

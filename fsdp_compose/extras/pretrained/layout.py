@@ -171,7 +171,8 @@ class _Stack(Layout):
         found = []
         for i in range(start, start + size):
             for p in self.children[i].pieces(box[:d] + box[d + 1 :]):
-                found.append(Piece(p.source, p.source_box, p.box[:d] + ((i, 1),) + p.box[d:], p.dims[:d] + (None,) + p.dims[d:]))
+                box_i, dims_i = p.box[:d] + ((i, 1),) + p.box[d:], p.dims[:d] + (None,) + p.dims[d:]
+                found.append(Piece(p.source, p.source_box, box_i, dims_i))
         return found
 
 
@@ -182,7 +183,7 @@ class _Cat(Layout):
         self.dim = _dim(dim, len(first))
         for child in self.children:
             other = list(child.shape)
-            if len(other) != len(first) or other[: self.dim] + other[self.dim + 1 :] != first[: self.dim] + first[self.dim + 1 :]:
+            if len(other) != len(first) or any(a != b for k, (a, b) in enumerate(zip(other, first)) if k != self.dim):
                 raise ValueError(f"concatenating tensors of shapes {list(first)} and {other} on dim {self.dim}")
         first[self.dim] = sum(child.shape[self.dim] for child in self.children)
         self.shape = torch.Size(first)

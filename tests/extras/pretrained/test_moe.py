@@ -11,12 +11,10 @@ model's logits and values. Also with the experts on a mesh of their own (``Shard
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from tests.harness import run_on_ranks
 
@@ -62,6 +60,8 @@ def _load_save(family: str, ckpt: str, out: str, placement: str) -> dict:
     if placement == "experts_apart":  # experts replicated over a (2, 1) mesh of their own, the rest sharded
         experts = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
         options["shard_placement_fn"] = lambda p: ShardPlacementResult(Shard(0), experts) if p.dim() == 3 else None
+    if placement == "shard1":  # each expert's rows split: a rank holds the end of w1's and the start of w3's
+        options["shard_placement_fn"] = lambda p: Shard(1) if p.dim() == 3 else None
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(_config(family))
     for layer in [m for m in model.modules() if type(m).__name__ in model._no_split_modules]:
@@ -122,6 +122,7 @@ def _load_save(family: str, ckpt: str, out: str, placement: str) -> dict:
         ("qwen2_moe", 2, "not_shared"),
         ("qwen2_moe", 3, "shared"),  # 3 experts over 3 ranks: one each
         ("mixtral", 2, "experts_apart"),
+        ("qwen2_moe", 3, "shard1"),
     ],
 )
 def test_moe_checkpoint_into_shards_and_back(family, world, placement, tmp_path) -> None:
@@ -132,11 +133,82 @@ def test_moe_checkpoint_into_shards_and_back(family, world, placement, tmp_path)
         assert r["names"] and r["values_differ"] == [], r["values_differ"]
         assert r["logits_equal"], "right after loading, the logits differ from from_pretrained's"
         assert r["bytes_read"] == r["shard_bytes"], r  # fp32 file, fp32 parameters: exactly its shards' bytes
-    if placement != "experts_apart":
+    if placement != "experts_apart":  # (there each rank holds, and reads, every expert: a replica)
         assert results[0]["total_read"] == results[0]["checkpoint_bytes"]  # every byte read once across the ranks
+    if placement in ("shared", "not_shared"):
         experts = _config(family).num_local_experts if family == "mixtral" else _config(family).num_experts
         rows = [len(chunk) for chunk in torch.arange(experts).chunk(world)] + [0] * world  # as fully_shard cuts them
         assert [r["experts_held"][0] for r in results] == rows[:world]  # e.g. 2, 2, 0 for 4 experts at 3 ranks
     first = results[0]
     assert first["reloaded_logits_equal"] and first["reloaded_values_differ"] == [], first
     assert first["saved_names_match"], "save_pretrained did not write the names transformers writes"
+
+
+def test_layouts_give_the_boxes_transformers_operations_make() -> None:
+    """transformers' own operations run on ``Layout``s: any box of the result is the sources' boxes they name."""
+    pytest.importorskip("transformers")
+    from transformers.core_model_loading import Concatenate, MergeModulelist, Transpose
+
+    from fsdp_compose.extras.pretrained.layout import Leaf, full_box, slices
+
+    def run(ops, inputs, sources, targets):
+        for op in ops:
+            inputs = op.convert(inputs, source_patterns=sources, target_patterns=targets)
+        return inputs
+
+    def assemble(layout, box, values):
+        out = torch.full([size for _, size in box], float("nan"))
+        for piece in layout.pieces(box):
+            source = values[piece.source]
+            out[slices(piece.box, box)] = piece.arrange(source[slices(piece.source_box, full_box(source.shape))])
+        return out
+
+    experts, rows, hidden = 5, 3, 4
+    values = {f"{kind}{e}": torch.randn(rows, hidden) for kind in "gu" for e in range(experts)}
+    fuse = [MergeModulelist(0), Concatenate(1)]  # Mixtral's and Qwen2-MoE's gate_up_proj
+    tensors = {k: [values[f"{k}{e}"] for e in range(experts)] for k in "gu"}
+    leaves = {k: [Leaf(f"{k}{e}", (rows, hidden)) for e in range(experts)] for k in "gu"}
+    fused = run(fuse, tensors, ["g", "u"], ["t"])["t"]
+    layout = run(fuse, leaves, ["g", "u"], ["t"])["t"]
+    assert layout.shape == fused.shape
+    boxes = [((1, 2), (0, 6), (0, 4)), ((0, 5), (2, 3), (1, 2)), ((4, 1), (5, 1), (3, 1)), ((2, 0), (0, 6), (0, 4))]
+    for box in boxes:
+        assert torch.equal(assemble(layout, box, values), fused[slices(box, full_box(fused.shape))]), box
+    # reversed, as save_pretrained runs them: the model's tensor into one tensor per expert, and a rank's part
+    split = [op.reverse_op for op in fuse[::-1]]
+    per_expert = run(split, {"t": fused}, ["t"], ["g.*", "u.*"])
+    per_expert_layouts = run(split, {"t": Leaf("t", fused.shape)}, ["t"], ["g.*", "u.*"])
+    assert per_expert.keys() == per_expert_layouts.keys() and len(per_expert) == 2 * experts
+    held = ((2, 2), (0, 6), (0, 4))  # a rank's rows: experts 2 and 3
+    for name, tensor in per_expert.items():
+        pieces = per_expert_layouts[name].pieces(full_box(tensor.shape))
+        assert torch.equal(assemble(per_expert_layouts[name], full_box(tensor.shape), {"t": fused}), tensor)
+        parts = [p.within(held) for p in pieces]
+        assert (int(name.split(".")[1]) in (2, 3)) == any(parts), name  # it holds experts 2 and 3 only
+    moved = run([Transpose(1, 2)], {"t": [fused]}, ["t"], ["x"])["x"]
+    moved_layout = run([Transpose(1, 2)], {"t": [Leaf("t", fused.shape)]}, ["t"], ["x"])["x"]
+    box = ((1, 3), (1, 2), (2, 3))
+    assert torch.equal(assemble(moved_layout, box, {"t": fused}), moved[slices(box, full_box(moved.shape))])
+
+
+def test_an_expert_missing_from_the_checkpoint_is_refused_by_name(tmp_path) -> None:
+    """One process, unsharded: an expert's tensor missing gives an error naming the tensors, before any load."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from fsdp_compose import PretrainedCheckpointError, load_pretrained
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(_config("mixtral")).save_pretrained(tmp_path / "whole")
+    tensors = load_file(tmp_path / "whole" / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, tmp_path / "lacking.safetensors", metadata={"format": "pt"})
+    model = AutoModelForCausalLM.from_config(_config("mixtral"))
+    before = {name: p.clone() for name, p in model.named_parameters()}
+    with pytest.raises(PretrainedCheckpointError, match=r"lacking.safetensors: 'model.layers.1.mlp.experts.gate_up_proj' from .* more do not convert.*\[4, 24, 16\] and \[3, 24, 16\]"):
+        load_pretrained(model, str(tmp_path / "lacking.safetensors"))
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())  # untouched
+    load_pretrained(model, str(tmp_path / "whole"))  # and unsharded, the whole checkpoint loads as transformers does
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path / "whole")
+    assert all(torch.equal(p, reference.get_parameter(name)) for name, p in model.named_parameters())
