@@ -11,7 +11,6 @@ model's logits and values. Also with the experts on a mesh of their own (``Shard
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.distributed as dist
