@@ -109,7 +109,8 @@ class ConvertedTensor(ModelTensor):
 
     made_of: Layout | None = None
     sources: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)
-    gathered: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # shared: the last full source
+    gathered: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)  # shared: the full source, on CPU
+    last: bool = True  # the last tensor made of its sources: what ``whole`` gathered is dropped after it
 
     def rows(self, rank: int) -> Iterator[tuple[int, memoryview]]:
         """``(byte offset in the tensor, bytes)`` of each run this rank writes: the parts its shards hold."""
@@ -129,16 +130,19 @@ class ConvertedTensor(ModelTensor):
                 yield in_tensor, memoryview(data)[in_data : in_data + n]
 
     def whole(self) -> torch.Tensor:
-        """The whole tensor, on every rank (each source gathered once while its checkpoint tensors are written)."""
+        """The whole tensor, on every rank: its sources are gathered (``full_tensor``, a collective) once for all
+        the checkpoint tensors made of them, and dropped after the last."""
         out = torch.empty(self.tensor.shape, dtype=self.tensor.dtype)
         for piece in self.made_of.pieces(full_box(self.tensor.shape)):
             source = self.sources[piece.source]
             if id(source) not in self.gathered:
-                self.gathered.clear()
-                self.gathered[id(source)] = source.full_tensor() if isinstance(source, DTensor) else source
-            full = self.gathered[id(source)].detach().to("cpu")
+                full = source.full_tensor() if isinstance(source, DTensor) else source
+                self.gathered[id(source)] = full.detach().to("cpu")
+            full = self.gathered[id(source)]
             values = full[slices(piece.source_box, full_box(full.shape))]
             out[slices(piece.box, full_box(out.shape))] = piece.arrange(values)
+        if self.last:
+            self.gathered.clear()
         return out
 
 
@@ -163,18 +167,19 @@ def to_checkpoint_layout(model: nn.Module, tensors: list[ModelTensor]) -> list[M
             sources.setdefault(new, {})[name] = target.tensor
             group_of[id(target)] = new
     out: list[ModelTensor] = []
-    gathered: dict[int, torch.Tensor] = {}
     for target in tensors:  # in the model's order; a group's tensors where its first member was
         group = group_of.get(id(target))
         if group is None:
             name = loading.apply_renamings(target.names[0], renamings)
             out.append(target if name == target.names[0] else ModelTensor([name], target.tensor))
         elif group in groups:
-            members = sources[group]
+            members, gathered = sources[group], {}  # gathered: one group's full sources, in a save that gathers
             dtype = next(iter(members.values())).dtype
-            for name, layout in _convert(groups.pop(group), group, model, members).items():
-                meta = torch.empty(layout.shape, dtype=dtype, device="meta")
-                out.append(ConvertedTensor([loading.apply_renamings(name, renamings)], meta, layout, members, gathered))
+            for name, made_of in _convert(groups.pop(group), group, model, members).items():
+                meta = torch.empty(made_of.shape, dtype=dtype, device="meta")
+                name = loading.apply_renamings(name, renamings)
+                out.append(ConvertedTensor([name], meta, made_of, members, gathered, last=False))
+            out[-1].last = True
     return out
 
 
