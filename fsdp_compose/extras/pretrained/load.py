@@ -60,8 +60,10 @@ def load_pretrained(
     live, and its non-persistent buffers are computed as the module's own initialisation computes them: a
     Hugging Face model's ``_init_weights(module)``, else ``init_buffers(module)`` for each module owning one.
     ``key_map`` renames checkpoint names to the model's (a dict, or a callable returning ``None`` to skip
-    a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built
-    model's missing parameters then hold what ``to_empty`` left: initialize them afterwards).
+    a tensor); then a transformers model's names go through the conversions its ``from_pretrained`` applies
+    (a mixture of experts' per-expert tensors fused into one parameter, each rank reading its experts only).
+    ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built model's missing
+    parameters then hold what ``to_empty`` left: initialize them afterwards).
     """
     error, plan = None, None
     try:

@@ -40,7 +40,9 @@ def save_pretrained(
     """Write ``model`` (sharded or not) to the directory ``path`` as ``transformers.from_pretrained`` reads it:
     safetensors files of at most ``max_shard_size`` each (``model.safetensors``, or numbered files and
     ``model.safetensors.index.json``), with the model's ``config.json`` and ``generation_config.json`` when
-    it has them. Values are written in the parameters' dtype, bit for bit. Call it on every rank.
+    it has them. Values are written in the parameters' dtype, bit for bit, under the names and in the layout
+    transformers' own ``save_pretrained`` writes (a mixture of experts: one tensor per expert). Call it on
+    every rank.
 
     ``shared_filesystem`` (default: found out by a file rank 0 writes and every rank looks for) chooses the
     way: every rank writing its rows in place, or rank 0 writing everything. Returns the files written.
