@@ -78,7 +78,7 @@ def from_checkpoint_layout(model: nn.Module, found: dict[str, TensorEntry], mode
         for name, layout in _convert(converter, first, model, entries).items():
             if name not in present or name in renamed or name in fused:
                 raise PretrainedCheckpointError(
-                    f"checkpoint tensors {', '.join(entries)} convert to '{name}', which the model lacks or has twice"
+                    f"{_files(entries)}: tensors {_names(entries)} convert to '{name}', which the model lacks or has twice"
                 )
             fused[name] = Fused(layout, entries)
     return CheckpointLayout(renamed, fused, [t for t in transforms if t.was_used()])
@@ -195,13 +195,15 @@ def _convert(converter, first: str, model: nn.Module, members: dict) -> dict[str
             "load_pretrained/save_pretrained move data only (stack, cat, chunk, split, transpose)"
         ) from None
     except (ValueError, IndexError) as error:
-        files = sorted({e.file for e in members.values() if isinstance(e, TensorEntry)})
-        where = ", ".join(files) or "the model"
-        raise PretrainedCheckpointError(f"{where}: {what} do not convert with {ops}: {error}") from None
+        raise PretrainedCheckpointError(f"{_files(members)}: {what} do not convert with {ops}: {error}") from None
     converted = {name: value[0] if isinstance(value, list) else value for name, value in outputs.items()}
     if not all(isinstance(value, Layout) for value in converted.values()):
         raise NotImplementedError(f"{what}: transformers' {ops} made something other than tensors")
     return converted
+
+
+def _files(members: dict) -> str:
+    return ", ".join(sorted({e.file for e in members.values() if isinstance(e, TensorEntry)})) or "the model"
 
 
 def _names(members: dict) -> str:
