@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from ...extras_api import raise_together
 from ..checkpoint.files import FileRefused
 from .checkpoint_dir import open_checkpoint, refused
+from .conversions import CheckpointLayout, Fused, from_checkpoint_layout, read_fused, remember_conversions
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors, non_persistent_buffers
 from .progress import progress_bar
@@ -48,6 +49,8 @@ class _Plan(NamedTuple):
     missing: list[str]
     unexpected: list[str]
     rebuild: list[tuple[nn.Module, str, str]]  # non-persistent buffers on meta, to compute again
+    fused: list[tuple[ModelTensor, Fused, Region]]  # conversions: a tensor made of several (experts' fused)
+    conversions: CheckpointLayout
 
 
 @torch.no_grad()
@@ -67,8 +70,10 @@ def load_pretrained(
     live, and its non-persistent buffers are computed as the module's own initialisation computes them: a
     Hugging Face model's ``_init_weights(module)``, else ``init_buffers(module)`` for each module owning one.
     ``key_map`` renames checkpoint names to the model's (a dict, or a callable returning ``None`` to skip
-    a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built
-    model's missing parameters then hold what ``to_empty`` left: initialize them afterwards).
+    a tensor); then a transformers model's names go through the conversions its ``from_pretrained`` applies
+    (a mixture of experts' per-expert tensors fused into one parameter, each rank reading its experts only).
+    ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built model's missing
+    parameters then hold what ``to_empty`` left: initialize them afterwards).
     ``progress=False`` hides the progress bar rank 0 shows (with tqdm installed) once a load takes a few
     seconds; it counts the bytes rank 0 reads. The time and bytes each rank read are logged at INFO
     on the ``fsdp_compose`` logger.
@@ -112,15 +117,20 @@ def _read_all(model: nn.Module, plan: _Plan, init_buffers, progress: bool) -> in
     now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
     bytes_read, error = 0, None
     mine = sum(n for _, entry, region in plan.loads for *_, n in region.runs(entry.dtype.itemsize))
+    mine += sum(_nbytes(fused) for _, fused, _ in plan.fused)  # fused experts: their sources' bytes, a bound
     with progress_bar(mine, "load_pretrained", enabled=progress) as bar:
         try:
             for target, entry, region in plan.loads:
                 n = _read_into(_local(now[target.names[0]]), entry, region)
                 bytes_read += n
                 bar.update(n)
+            for target, fused, region in plan.fused:  # conversions: read only the sources of this rank's rows
+                bytes_read += read_fused(_local(now[target.names[0]]), region, fused, _read_into)
+                bar.update(_nbytes(fused))
         except PretrainedCheckpointError as failure:
             error = f"{failure}; the model holds part of the checkpoint: load it again"
     raise_together(error, cls=PretrainedCheckpointError)
+    remember_conversions(model, plan.conversions)
     return bytes_read
 
 
@@ -133,9 +143,22 @@ def _plan(model: nn.Module, found: dict[str, TensorEntry], key_map: KeyMap | Non
         if new in renamed:
             raise PretrainedCheckpointError(f"{entry.file}: tensors '{renamed[new].name}' and '{name}' both map to '{new}'")
         renamed[new] = entry
-    loads, missing, known = [], [], set()
-    for target in checkpoint_tensors(model):
+    model_tensors = checkpoint_tensors(model)
+    # conversions: from_pretrained's renamings, and tensors made of several (one per expert on disk)
+    converted = from_checkpoint_layout(model, renamed, {name for t in model_tensors for name in t.names})
+    renamed = converted.renamed
+    loads, fused, missing, known = [], [], [], set()
+    for target in model_tensors:
         known.update(target.names)
+        made = next((converted.fused[n] for n in target.names if n in converted.fused), None)
+        if made is not None:
+            if tuple(made.made_of.shape) != tuple(target.tensor.shape):
+                raise PretrainedCheckpointError(
+                    f"tensors {', '.join(made.entries)} make shape {list(made.made_of.shape)}, "
+                    f"the model's '{target.names[0]}' {list(target.tensor.shape)}"
+                )
+            fused.append((target, made, region_of(target.tensor, target.names[0])))
+            continue
         entry = next((renamed[n] for n in target.names if n in renamed), None)
         if entry is None:
             missing.append(target.names[0])
@@ -161,7 +184,11 @@ def _plan(model: nn.Module, found: dict[str, TensorEntry], key_map: KeyMap | Non
             f"non-persistent buffers {names} are on meta and no checkpoint holds them; pass "
             "init_buffers=fn(module) that computes them (what the module's __init__ does)"
         )
-    return _Plan(loads, missing, unexpected, rebuild)
+    return _Plan(loads, missing, unexpected, rebuild, fused, converted)
+
+
+def _nbytes(fused: Fused) -> int:
+    return sum(entry.nbytes for entry in fused.entries.values())
 
 
 def _mismatch(missing: list[str], unexpected: list[str]) -> str:

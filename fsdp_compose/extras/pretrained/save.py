@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from ... import FSDPModule
 
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
+from .conversions import ConvertedTensor, to_checkpoint_layout
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors
 from .progress import progress_bar
@@ -51,7 +52,9 @@ def save_pretrained(
     """Write ``model`` (sharded or not) to the directory ``path`` as ``transformers.from_pretrained`` reads it:
     safetensors files of at most ``max_shard_size`` each (``model.safetensors``, or numbered files and
     ``model.safetensors.index.json``), with the model's ``config.json`` and ``generation_config.json`` when
-    it has them. Values are written in the parameters' dtype, bit for bit. Call it on every rank.
+    it has them. Values are written in the parameters' dtype, bit for bit, under the names and in the layout
+    transformers' own ``save_pretrained`` writes (a mixture of experts: one tensor per expert). Call it on
+    every rank.
 
     ``shared_filesystem`` (default: found out by a file rank 0 writes and every rank looks for) chooses the
     way: every rank writing its rows in place, or rank 0 writing everything. Returns the files written.
@@ -72,6 +75,7 @@ def save_pretrained(
             raise ValueError(f"save_pretrained: '{target.names[0]}' is on meta; it has no values to save")
         if target.tensor.dtype not in NAMES:
             raise ValueError(f"save_pretrained: '{target.names[0]}' has dtype {target.tensor.dtype}, which safetensors cannot hold")
+    tensors = to_checkpoint_layout(model, tensors)  # conversions: the names and layout transformers writes
     files = _split(tensors, _bytes(max_shard_size))
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = SaveDir.begin(path)  # a fresh directory beside path, put in its place once every rank's writes succeeded
@@ -110,9 +114,10 @@ def _writes(tensor: torch.Tensor, region: Region, rank: int) -> bool:
 
 
 def _written_here(target: ModelTensor, rank: int, shared_filesystem: bool) -> int:
-    """The bytes of ``target`` this rank writes: its rows (shared filesystem), or all of it on rank 0."""
+    """The bytes of ``target`` this rank writes: its rows (shared filesystem), or all of it on rank 0. A tensor
+    made by conversions (one expert of a fused parameter) counts on rank 0 only: its pieces are found as written."""
     tensor = target.tensor
-    if not shared_filesystem:
+    if not shared_filesystem or isinstance(target, ConvertedTensor):
         return tensor.numel() * tensor.dtype.itemsize if rank == 0 else 0
     region = region_of(tensor, target.names[0])
     return sum(n for *_, n in region.runs(tensor.dtype.itemsize)) if _writes(tensor, region, rank) else 0
@@ -136,6 +141,10 @@ def _write_rows(
 def _pwrite_rows(fd: int, offsets: dict[str, int], members: list[ModelTensor], rank: int) -> None:
     try:
         for target in members:
+            if isinstance(target, ConvertedTensor):  # conversions: the parts of it this rank's shards hold
+                for in_tensor, data in target.rows(rank):
+                    pwrite_all(fd, data, offsets[target.names[0]] + in_tensor)
+                continue
             tensor = target.tensor
             region = region_of(tensor, target.names[0])
             if not _writes(tensor, region, rank):
@@ -167,6 +176,8 @@ def _write_whole(
         for member in members:
             tensor = member.tensor
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if isinstance(member, ConvertedTensor):  # conversions: made of the model's tensors, each gathered once
+                full = member.whole()
             if fd is not None and failure is None:
                 data = full.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
                 failure = attempt(lambda: pwrite_all(fd, memoryview(data), offsets[member.names[0]]), out.path(name))
