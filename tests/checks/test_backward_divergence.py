@@ -1,9 +1,9 @@
 """Divergence that shows in backward is an error naming the module on every rank, never a gloo abort (issue 24).
 
-Before, the default check handshaked only all-gathers, so the first collective where ranks differed
+Before, the default check checked only all-gathers, so the first collective where ranks differed
 could be a reduce-scatter meeting another collective: gloo aborted the process (SIGABRT, exit code -6)
-or both ranks hung until the process group's timeout. On gloo every reduce-scatter is now handshaked
-too (_checks/order.py), so the first difference is always two handshakes that disagree. Measured
+or both ranks hung until the process group's timeout. On gloo every reduce-scatter is now checked
+too (_checks/order.py), so the first difference is always two order checks that disagree. Measured
 before the change, with these models on 2 and 3 ranks (``tests/harness.py`` kills what hangs):
 
 | case | 2 ranks | 3 ranks |
@@ -11,7 +11,7 @@ before the change, with these models on 2 and 3 ranks (``tests/harness.py`` kill
 | a block skips its computation on one rank | rank 0 aborted (-6) | all hung past the 8 s group timeout |
 | a rank skips ``backward()`` | both hung past the 8 s group timeout | error (the all-gathers happened to differ first) |
 | different micro-batch counts under no-sync | ``CollectiveError`` only at the group timeout | the same |
-| extra forward, extra backward, raise then reset | error (all-gather handshakes) | the same |
+| extra forward, extra backward, raise then reset | error (all-gather order checks) | the same |
 
 Every case below now fails within a second on every rank, with the same message.
 """
@@ -318,7 +318,7 @@ def test_a_rank_whose_exception_ends_its_process_fails_its_peers_at_once():
     seconds, message = outputs[0][0].strip().splitlines()
     assert float(seconds) < 10, outputs
     assert_expected_inline(
-        message, """CollectiveError: rank 0: the handshake before the all-gather of 'blocks.2' (Block) failed; ..."""
+        message, """CollectiveError: rank 0: the order check before the all-gather of 'blocks.2' (Block) failed; ..."""
     )
 
 

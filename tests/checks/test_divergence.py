@@ -2,8 +2,8 @@
 
 gloo itself aborts the process when ranks all-gather buffers of different sizes and hangs when
 they run different collectives; torch's FSDP2 shows exactly that (or trains on mixed-up
-shards when sizes happen to match). The handshake before each collective (_checks/order.py:
-on gloo a round of the ledger, an all-reduce of its count and digest and their negations, closed
+shards when sizes happen to match). The order check before each collective (_checks/order.py:
+on gloo a round of the collective log, an all-reduce of its count and digest and their negations, closed
 before the collective) turns every case below into an ``ExecutionOrderError`` on every rank.
 """
 
@@ -146,7 +146,7 @@ def _rank_one_stops() -> str:
 def test_stopped_rank_fails_peers_within_group_timeout():
     rank0, rank1 = run_on_ranks(2, _rank_one_stops, timeout=60)
     assert rank1 == "slept"
-    assert rank0.startswith("rank 0: the handshake before the all-gather of '<root>' (TwoSizes) failed"), rank0
+    assert rank0.startswith("rank 0: the order check before the all-gather of '<root>' (TwoSizes) failed"), rank0
     assert "init_process_group(timeout=...)" in rank0
     assert float(rank0.rsplit(" after ", 1)[1][:-1]) < 6
 
@@ -189,11 +189,11 @@ def test_a_rank_that_skipped_backward_is_named_at_once(mode):
     so both ranks raise at once.
 
     Rank 0's backward starts with the reduce-scatter of the root group while rank 1, already in
-    the next forward, all-gathers ``small``. When the default mode handshaked all-gathers only,
-    that reduce-scatter met rank 1's handshake unchecked, the ranks' collectives stayed
+    the next forward, all-gathers ``small``. When the default mode checked all-gathers only,
+    that reduce-scatter met rank 1's order check unchecked, the ranks' collectives stayed
     misaligned, and both failed only when the process group's timeout expired: in each of 8 runs
     of ``_skip_backward_on_rank_one("1", 5.0)`` each rank raised ``CollectiveError: ... the
-    handshake before the all-gather of 'small' (Linear) failed; another rank stopped ...`` after
+    order check before the all-gather of 'small' (Linear) failed; another rank stopped ...`` after
     5 s (with ``init_process_group``'s default timeout that is 30 minutes). More backward cases:
     test_backward_divergence.py.
     """
@@ -253,7 +253,7 @@ def test_checked_modes_train_exactly_like_checks_off():
 
 
 def test_an_unknown_check_mode_is_refused(monkeypatch):
-    """Mode ``tag`` (an in-data tag without a handshake) is gone: a passed handshake proves what it checked."""
+    """Mode ``tag`` (an in-data tag without a order check) is gone: a passed order check proves what it checked."""
     monkeypatch.setenv(CHECK_ENV, "tag")
     with pytest.raises(ValueError) as caught:
         check_mode()

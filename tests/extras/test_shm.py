@@ -262,7 +262,7 @@ def _rank_one_skips_a_module_through_shm() -> tuple[str, int]:
 
 
 def test_the_core_handshake_names_a_divergence_before_the_transport_sees_it():
-    """With the order check on (the default) the core's handshake, not the transport's own check, catches
+    """With the order check on (the default) the core's order check, not the transport's own check, catches
     ranks that diverge through shm, naming the modules; the transport's check guards only the order check off."""
     results = run_on_ranks(2, _rank_one_skips_a_module_through_shm)
     assert results[0] == results[1]

@@ -52,6 +52,6 @@ def test_null_backend_counts_both_libraries_collectives_and_touches_no_output():
 
 
 def test_divergence_check_adds_one_collective_per_step_on_other_backends():
-    """Off gloo, handshakes are logged on the host and one all-reduce agrees on the step's log
+    """Off gloo, order checks are logged on the host and one all-reduce agrees on the step's log
     when backward ends: no collective per all-gather (_checks/order.py)."""
     assert _calls("1")["ours"] == {"all_gather_single": 4, "reduce_scatter_single": 2, "allreduce": 1}

@@ -99,7 +99,7 @@ class TwoLinears(nn.Module):
 
 class TestDivergenceOnThreadedRanks(_ThreadedRanks):
     """Rank 1 runs two equally sized modules in the other order: the collectives pair up (no hang,
-    mixed-up data), and every rank raises when the step's handshakes are judged."""
+    mixed-up data), and every rank raises when the step's order checks are judged."""
 
     @property
     def world_size(self) -> int:
@@ -123,14 +123,14 @@ class TestDivergenceOnThreadedRanks(_ThreadedRanks):
 Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
   rank 0: all-gather of 'a' (Linear), 40 bytes
   rank 1: all-gather of 'b' (Linear), 40 bytes
-(on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
+(on this backend the order checks are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""",
         )
 
 
 class TestReplicaDivergenceOnThreadedRanks(_ThreadedRanks):
     """HSDP on 2 replicas x 2 shards, off gloo: the second replica runs two equally sized modules in the
     other order. Each shard group agrees with itself, so only the all-reduces across replicas pair up
-    different modules' gradients (same sizes: the sums would be silently mixed up); their handshakes,
+    different modules' gradients (same sizes: the sums would be silently mixed up); their order checks,
     logged on the replicate groups, name the replicas when backward ends."""
 
     @property
@@ -155,6 +155,6 @@ Ranks diverged: they were about to run different collectives of sharded modules 
   rank 0: all-reduce of 'b' (Linear), 48 bytes
   rank 2: all-reduce of 'a' (Linear), 48 bytes
 (reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)
-(on this backend the handshakes are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""")
+(on this backend the order checks are compared on the device and judged when a step's backward ends, so the collectives after the first difference already ran)""")
         else:
             self.assertIn("Ranks diverged", message)

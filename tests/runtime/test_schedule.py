@@ -200,7 +200,7 @@ def test_in_flight_limit_bounds_unsharded_groups():
 
 
 def _diverging_order():
-    """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train (the handshake
+    """Rank 1 runs the (identically sized) blocks in reverse: must raise, not train (the order check
     compares group ids, so equal sizes do not hide it)."""
     model = sharded_lm()
     if dist.get_rank() == 1:

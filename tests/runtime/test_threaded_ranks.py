@@ -2,7 +2,7 @@
 
 PyTorch's own FSDP2 tests run CPU cases with ``FSDPTestMultiThread``: every rank is a thread
 and the tests of one file share a process, with world sizes changing between test classes.
-Group ids used by the handshake must still agree across ranks there (_runtime/uids.py): a
+Group ids used by the order check must still agree across ranks there (_runtime/uids.py): a
 process-wide counter gave rank 1 the ids after rank 0's and every forward raised a false
 ``ExecutionOrderError``. The world-size-1 class runs first on purpose: it advances rank 0's
 count only, as a world-size-1 test class before a world-size-2 one does in torch's files.

@@ -124,7 +124,7 @@ def pre_backward(state: GroupState, _grads=None) -> None:
     else:  # set_unshard_in_backward(False): only the prefetches
         for target in targets:
             target.group.start_unshard()
-    issue_reductions(root)  # after the handshake of the all-gathers above (gloo)
+    issue_reductions(root)  # after the order check of the all-gathers above (gloo)
 
 
 def _prefetched_in_backward(state: GroupState) -> list[GroupState]:
@@ -195,4 +195,4 @@ def end_of_backward(root: RootState, held: bool = False) -> None:
     for state in root.states:
         reset_backward(state)
     end_backward(root)
-    root.ledgers.close_round()  # may raise ExecutionOrderError, once the step's state is reset
+    root.collective_logs.close_round()  # may raise ExecutionOrderError, once the step's state is reset
