@@ -28,7 +28,7 @@ from fsdp_compose._runtime.collectives import (
 from fsdp_compose._checks.order import ExecutionOrderError
 from fsdp_compose._runtime.state import state_of
 from fsdp_compose_shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER, use_shm
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 from tests.messages import message
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 from tests.runtime.test_collectives import count_collectives
@@ -351,7 +351,11 @@ def _killed_rank(rank: int, port: int, results) -> None:
     """Rank 1 dies (SIGKILL) right after creating a grown segment, before the sync that would
     unlink it; rank 0's failed sync then unlinks every file of the job."""
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=hang_timeout(120)),
     )
     group = dist.group.WORLD
     stats = CommStats()
@@ -389,7 +393,7 @@ def test_no_files_left_when_a_rank_is_killed_mid_run():
     for p in procs:
         p.start()
     try:
-        outcome, prefix = results.get(timeout=90)
+        outcome, prefix = results.get(timeout=hang_timeout())
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -29,9 +29,11 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from tests.harness import hang_timeout
+
 REPO = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
-PAGE_TIMEOUT_S = 90.0
+PAGE_TIMEOUT_S = hang_timeout()  # a hang detector: pages run two at a time, on a loaded machine too
 REQUIRES_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*requires\s+([\w. ]+?)\s*-->\s*$", re.M)
 SKIP_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*skip\s*\((.+)\)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(\S*)")
@@ -245,7 +247,7 @@ def test_a_failing_block_names_its_page_line_and_a_hang_is_killed(tmp_path: Path
         "```python\nimport os, time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n```\n"
         "text\n```python\nif dist.get_rank() == 1:\n    raise ValueError('boom')\ndist.barrier()\n```\n"
     )
-    run = PageRun(page, tmp_path, timeout=30)
+    run = PageRun(page, tmp_path, timeout=hang_timeout())
     run.start()
     codes, _ = run.wait()
     assert codes[1] == 1, codes  # rank 0 errors out of the barrier or is killed 5 s later

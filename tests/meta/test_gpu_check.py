@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import torch
 
 from benchmarks import gpu_check
+from tests.harness import hang_timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_gpu_check_runs_on_cpu():
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--quick", "--cpu", "--stage"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=hang_timeout(), cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from tests.harness import hang_timeout
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = """
@@ -37,7 +39,7 @@ print(json.dumps(calls))
 def _calls(check_order: str) -> dict:
     env = dict(os.environ, FSDP_COMPOSE_CHECK_ORDER=check_order, PYTHONPATH=ROOT)
     result = subprocess.run(
-        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True, timeout=hang_timeout()
     )
     assert result.returncode == 0, result.stderr[-3000:]
     calls = json.loads(result.stdout.strip().splitlines()[-1])

@@ -24,6 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_compose import fully_shard
 from fsdp_compose._checks.order import ExecutionOrderError
+from tests.harness import hang_timeout
 from tests.runtime.test_threaded_ranks import _ThreadedRanks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,7 +41,7 @@ def _run(world: int, configs: str, rank: int) -> dict:
         env=dict(os.environ, PYTHONPATH=ROOT),
         capture_output=True,
         text=True,
-        timeout=110,
+        timeout=hang_timeout(),
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])

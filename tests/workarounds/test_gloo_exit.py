@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "exit_cleanly.py"
@@ -73,11 +73,11 @@ def _run_command(cmd: list[str]) -> tuple[int, str]:
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=hang_timeout())
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        return -signal.SIGKILL, f"timed out after 180 s\n{stdout[-2000:]}{stderr[-2000:]}"
+        return -signal.SIGKILL, f"timed out after {hang_timeout():.0f} s\n{stdout[-2000:]}{stderr[-2000:]}"
     return proc.returncode, stdout[-2000:] + stderr[-2000:]
 
 
@@ -148,7 +148,7 @@ def test_train_example_exits_zero_every_time():
 # ----- the exit handler itself (_torch_workarounds/gloo_exit.py), in this process ---------------------------------
 def _drain_with(snapshots: list[dict]) -> tuple[bool, int]:
     """``drain_gloo_workers`` on a scripted sequence of thread snapshots; (result, snapshots read)."""
-    from fsdp_compose._runtime import gloo_exit
+    from fsdp_compose._torch_workarounds import gloo_exit
 
     reads = iter(snapshots)
     read = []
@@ -170,16 +170,21 @@ def test_drain_waits_until_every_gloo_worker_was_still_for_an_interval():
 
 
 def test_drain_reads_this_process_and_returns_at_once_without_gloo():
-    # in a fresh process: this one may hold the idle gloo workers of an earlier test's group
+    # in a fresh process: this one may hold the idle gloo workers of an earlier test's group;
+    # "at once": it reads /proc once and never sleeps (counted, not timed: a loaded machine is slow)
     code = (
         "import time\n"
-        "from fsdp_compose._torch_workarounds.gloo_exit import drain_gloo_workers, gloo_workers\n"
-        "assert gloo_workers() == {}, gloo_workers()\n"
-        "began = time.monotonic()\n"
-        "assert drain_gloo_workers() is True\n"
-        "assert time.monotonic() - began < 0.5\n"
+        "from fsdp_compose._torch_workarounds import gloo_exit\n"
+        "assert gloo_exit.gloo_workers() == {}, gloo_exit.gloo_workers()\n"
+        "slept, reads, read = [], [], gloo_exit.gloo_workers\n"
+        "time.sleep = slept.append\n"
+        "gloo_exit.gloo_workers = lambda: reads.append(1) or read()\n"
+        "assert gloo_exit.drain_gloo_workers() is True\n"
+        "assert (slept, len(reads)) == ([], 1), (slept, reads)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_timeout(), cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -190,7 +195,7 @@ def _drain_after_training() -> tuple[int, bool, float, bool, int]:
     from torch import nn
 
     from fsdp_compose import fully_shard
-    from fsdp_compose._runtime import gloo_exit
+    from fsdp_compose._torch_workarounds import gloo_exit
 
     def build_and_step() -> None:
         torch.manual_seed(0)
@@ -208,7 +213,9 @@ def _drain_after_training() -> tuple[int, bool, float, bool, int]:
     return len(gloo_exit.gloo_workers()), drained, seconds, gloo_exit._registered, atexit._ncallbacks() - handlers
 
 
-def test_drain_after_training_on_gloo_is_short_and_registered_once():
+def test_drain_after_training_on_gloo_ends_and_is_registered_once():
+    """``drained``: the workers were found still before ``LIMIT_S`` (the drain's own bound); how long
+    it takes is a timing, not asserted here (a loaded machine stretches it)."""
     for workers, drained, seconds, registered, added in run_on_ranks(2, _drain_after_training):
-        assert workers >= 1 and drained and seconds < 1.0, (workers, drained, seconds)
+        assert workers >= 1 and drained, (workers, drained, seconds)
         assert registered and added == 0, (registered, added)

@@ -78,7 +78,7 @@ def _corrupted_files(root: str) -> dict:
 
 
 def test_corrupt_files_are_refused_by_name_on_every_rank(tmp_path):
-    results = run_on_ranks(2, _corrupted_files, str(tmp_path), timeout=180)
+    results = run_on_ranks(2, _corrupted_files, str(tmp_path))
     assert results[0] == results[1]
     for (name, how), (refused, fell_back) in results[0].items():
         expected = {"delete": "missing", "truncate": "bytes, ", "flip": "checksum mismatch"}[how]

@@ -122,7 +122,7 @@ def test_load_train_save_matches_transformers(kind, world, dtype, options, tmp_p
             "offload_policy": CPUOffloadPolicy(pin_memory=False),
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         }
-    results = run_on_ranks(world, _roundtrip, kind, str(tmp_path / "hf"), str(tmp_path / "out"), dtype, kwargs, timeout=240)
+    results = run_on_ranks(world, _roundtrip, kind, str(tmp_path / "hf"), str(tmp_path / "out"), dtype, kwargs)
     for r in results:
         assert r["missing"] == [] and r["unexpected"] == [], r
         assert r["loaded_equal"], "right after loading, the logits differ from from_pretrained's"
@@ -175,6 +175,6 @@ def _tp_and_hsdp(ckpt: str, out: str) -> dict:
 
 def test_tensor_parallel_and_hsdp_load_and_save_bitwise(tmp_path) -> None:
     pytest.importorskip("safetensors")
-    results = run_on_ranks(4, _tp_and_hsdp, str(tmp_path / "mlp.safetensors"), str(tmp_path / "out"), timeout=240)
+    results = run_on_ranks(4, _tp_and_hsdp, str(tmp_path / "mlp.safetensors"), str(tmp_path / "out"))
     assert all(r["tp_loaded"] and r["hsdp_loaded"] for r in results), results
     assert results[0]["tp_saved"] and results[0]["hsdp_saved"], results[0]
