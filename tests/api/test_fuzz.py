@@ -9,6 +9,7 @@ gradients and parameters must agree to 1e-5. All models run in one call per worl
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -71,6 +72,7 @@ def _check(world_size: int) -> None:
     assert not bad, "\n".join(f"seed {s}: {r['worst']}\n  {build_model(s)}\n  " + "\n  ".join(r["plan"]) for s, r in bad.items())
 
 
+@pytest.mark.slow  # ws3 in the default run (uneven shards)
 def test_fuzzed_models_match_reference_ws2():
     _check(2)
 

@@ -293,6 +293,7 @@ os._exit(0)
 """
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_a_rank_whose_exception_ends_its_process_fails_its_peers_at_once():
     """Without recovery the raising rank's process ends; its peers' next collective fails as soon as
     gloo sees the closed connection, naming the module (not at the 30-minute timeout)."""
@@ -347,6 +348,7 @@ def _replicas_diverge() -> tuple[str, float]:
     return message, time.monotonic() - started
 
 
+@pytest.mark.slow  # 4 ranks
 def test_hsdp_replicas_that_diverge_are_named():
     """Before, the replicas' all-reduces paired ``blocks.1`` with ``blocks.0`` (equal sizes here:
     silently mixed gradients; different sizes: gloo's abort)."""

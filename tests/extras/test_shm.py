@@ -113,8 +113,10 @@ def _parity(variant: str, chunk: str = ""):
     return result
 
 
-@pytest.mark.parametrize("world_size,variant,chunk", [(2, "separate", ""), (3, "keep", ""), (4, "hsdp", ""),
-                                                     (3, "chunked", "256")])
+@pytest.mark.parametrize(
+    "world_size,variant,chunk",
+    [(2, "separate", ""), (3, "keep", ""), pytest.param(4, "hsdp", "", marks=pytest.mark.slow), (3, "chunked", "256")],
+)
 def test_parity_with_reference_through_shm(world_size, variant, chunk):
     """``chunked``: 256-byte chunks, so most contributions go in several exchanges."""
     results = run_on_ranks(world_size, _parity, variant, chunk)
@@ -211,7 +213,7 @@ def _back_to_back(chunk: str):
     return shm_transport.counters.segments_created - created, our_files()
 
 
-@pytest.mark.parametrize("chunk", ["", "1024"])
+@pytest.mark.parametrize("chunk", ["", pytest.param("1024", marks=pytest.mark.slow)])
 def test_back_to_back_collectives_of_different_sizes(chunk):
     results = run_on_ranks(3, _back_to_back, chunk)
     for created, files in results:
@@ -379,6 +381,7 @@ def _killed_rank(rank: int, port: int, results) -> None:
         results.put((outcome, prefix))
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_no_files_left_when_a_rank_is_killed_mid_run():
     import socket
 

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.harness import hang_timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -47,6 +49,7 @@ def _calls(check_order: str) -> dict:
     return calls
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_null_backend_counts_both_libraries_collectives_and_touches_no_output():
     # 3 groups: the two layers and the root (which owns no parameters here); each layer is
     # gathered in forward and again in backward, and its gradient reduce-scattered once.

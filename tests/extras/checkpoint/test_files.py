@@ -354,8 +354,9 @@ def _crafted_cases(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # every crafted case loaded on 2 ranks
 def test_crafted_checkpoints_read_only_their_own_files(tmp_path):
-    results = run_on_ranks(2, _crafted_cases, str(tmp_path), timeout=300)
+    results = run_on_ranks(2, _crafted_cases, str(tmp_path))
     first = results[0]
     if os.environ.get("SHOW_CASES"):
         for name in first["expected"]:

@@ -70,6 +70,7 @@ def _resume(path: str) -> dict:
     return {"step": step, "extra": extra, "loaded": loaded, "losses": _train(model, opt, range(step, 6))}
 
 
+@pytest.mark.slow  # fresh processes
 def test_resume_in_new_processes_matches_uninterrupted(tmp_path):
     path = str(tmp_path / "ckpt")
     first = run_on_ranks(2, _train_six_and_save_after_three, path)[0]

@@ -104,9 +104,9 @@ def _shard_dim_1(param: nn.Parameter):
     "kind, world, dtype, options",
     [
         # uneven rows (3 ranks), fp32 parameters from a bf16 file, a meta-built model's rotary buffers
-        ("llama", 3, torch.float32, "plain"),
+        pytest.param("llama", 3, torch.float32, "plain", marks=pytest.mark.slow),
         # one rank: bf16 read straight into the shards' bytes
-        ("llama", 1, torch.bfloat16, "plain"),
+        pytest.param("llama", 1, torch.bfloat16, "plain", marks=pytest.mark.slow),
         # tied embeddings, bf16 parameters, Shard(1), CPU offload, mixed precision; saved the non-shared way
         ("gpt2", 2, torch.bfloat16, "shard1_offload_mp"),
     ],
