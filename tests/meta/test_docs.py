@@ -232,12 +232,17 @@ def test_page_runs(page: Path, request: pytest.FixtureRequest) -> None:
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:
-    """.ci/run runs the README's test command, then the suite on the torch releases the README names."""
+    """.ci/run runs the README's test command, then the slow tests, then the whole suite (default and
+    slow) on the torch releases the README names."""
     ci, readme = (REPO / ".ci" / "run").read_text(), (REPO / "README.md").read_text()
-    command = next(line for line in ci.splitlines() if line.startswith("pip install"))
+    lines = ci.splitlines()
+    command = next(line for line in lines if line.startswith("pip install"))
     assert command in readme, command
+    assert command.endswith("&& python -m pytest -q"), command  # the default selection, as the README runs it
+    assert lines[lines.index(command) + 1] == "python -m pytest -q -m slow", lines
     versions = re.search(r"^for version in (.+); do$", ci, re.M).group(1).split()
     assert versions == ["2.11.0", "2.14.1"], versions
+    assert """  bash tools/test_torch.sh "$version" -m ''""" in lines, lines  # everything, slow tests included
     assert "**Supported torch: 2.11.0 through 2.14.1**" in readme
 
 
