@@ -20,6 +20,7 @@ from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
 from fsdp_compose import fully_shard
+from tests.harness import hang_timeout
 
 
 def _model() -> nn.Sequential:
@@ -39,7 +40,7 @@ def _shard(model: nn.Sequential, reshard_after_forward: bool | int | None = None
     return model
 
 
-HANG_LIMIT_S = 120.0  # as tests/harness.py; a hang fails, a slow machine does not
+HANG_LIMIT_S = hang_timeout()  # as tests/harness.py; a hang fails, a slow machine does not
 
 
 def _abort_hung_ranks() -> None:

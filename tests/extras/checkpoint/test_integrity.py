@@ -15,6 +15,7 @@ import warnings
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch.distributed as dist
 
 from fsdp_compose import CheckpointError, load_checkpoint, save_checkpoint
@@ -79,7 +80,7 @@ def _corrupted_files(root: str) -> dict:
 
 
 def test_corrupt_files_are_refused_by_name_on_every_rank(tmp_path):
-    results = run_on_ranks(2, _corrupted_files, str(tmp_path), timeout=180)
+    results = run_on_ranks(2, _corrupted_files, str(tmp_path))
     assert results[0] == results[1]
     for (name, how), (refused, fell_back) in results[0].items():
         expected = {"delete": "missing", "truncate": "bytes, ", "flip": "checksum mismatch"}[how]
@@ -169,8 +170,9 @@ def _faults(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # a save killed at each write point
 def test_a_save_killed_at_each_write_point_leaves_a_loadable_checkpoint(tmp_path):
-    results = run_on_ranks(2, _faults, str(tmp_path), timeout=180)
+    results = run_on_ranks(2, _faults, str(tmp_path))
     assert results[0] == results[1]
     r = results[0]
     for point, loaded in [
