@@ -200,7 +200,8 @@ class ParamGroup:
                 pending.finish()
 
     def unshard(self) -> None:
-        self.start_unshard()
+        if self.pending_unshard is None:  # else prefetched (the usual case): start_unshard would return at once
+            self.start_unshard()
         self.wait_unshard()
 
     @outside_transforms
