@@ -208,7 +208,8 @@ class ParamGroup:
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded storage and register the shards again (``after_forward`` with a post-forward
         group keeps this rank's N-way slice for backward)."""
-        self.wait_unshard()
+        if self.pending_unshard is not None:  # a prefetched all-gather nothing used
+            self.wait_unshard()
         if not after_forward:
             self._kept = None
         if not self.is_unsharded:
