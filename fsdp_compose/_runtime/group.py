@@ -200,14 +200,16 @@ class ParamGroup:
                 pending.finish()
 
     def unshard(self) -> None:
-        self.start_unshard()
+        if self.pending_unshard is None:  # else prefetched (the usual case): start_unshard would return at once
+            self.start_unshard()
         self.wait_unshard()
 
     @outside_transforms
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded storage and register the shards again (``after_forward`` with a post-forward
         group keeps this rank's N-way slice for backward)."""
-        self.wait_unshard()
+        if self.pending_unshard is not None:  # a prefetched all-gather nothing used
+            self.wait_unshard()
         if not after_forward:
             self.post_forward_slice = None
         if not self.is_unsharded:
