@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ...extras_api import reshard_idle
+
 from .agreement import raise_on_every_rank
 from .checkpoint_dir import read_checkpoint
 from .local_region import Region, region_of
@@ -60,6 +62,9 @@ def load_pretrained(
     a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built
     model's missing parameters then hold what ``to_empty`` left: initialize them afterwards).
     """
+    # a group left unsharded (the root after a forward with grad and no backward) holds plain tensors the next
+    # reshard would drop: the load goes into the shards, every group sharded first (refused during backward)
+    reshard_idle(model, "load_pretrained")
     error, plan = None, None
     try:
         plan = _plan(model, path, key_map, init_buffers)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ... import FSDPModule
+from ...extras_api import reshard_idle
 
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
 from .local_region import region_of
@@ -44,6 +45,7 @@ def save_pretrained(
     ``shared_filesystem`` (default: found out by a file rank 0 writes and every rank looks for) chooses the
     way: every rank writing its rows in place, or rank 0 writing everything. Returns the files written.
     """
+    reshard_idle(model, "save_pretrained")  # the modules hold the shards again (a forward without backward)
     tensors = checkpoint_tensors(model)
     for target in tensors:
         if target.tensor.is_meta:
