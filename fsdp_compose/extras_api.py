@@ -5,11 +5,11 @@ Facts, not runtime objects: ``group_facts`` describes a group as frozen data (``
 facts, a few verbs: ``write_full`` (deferred init writes a parameter's full value into its shard),
 ``ScratchSchedule`` (``explain`` replays a step on the runtime's own schedule functions, on scratch state,
 never a model's), ``unsharded_bytes`` and ``label_unsharded`` (what a measured step holds unsharded), putting
-idle groups back in sharded form (``reshard_idle``), a parameter's gather codec (``set_gather_codec``) and the
-row geometry (``row_layout``). A group is named by its ``GroupHandle``: an opaque key the verbs accept,
-whose attributes the extras never read (``tests/meta/test_architecture.py`` checks). For a transport
-(``fsdp_compose_shm``): the default collectives it falls back to, and how a collective is issued and waited.
-Whatever an extra needs of the core is added here.
+idle groups back in sharded form (``reshard_idle``), a parameter's gather codec (``set_gather_codec``), the
+row geometry (``row_layout``) and the user's class behind ``fully_shard``'s subclass (``user_class``). A group
+is named by its ``GroupHandle``: an opaque key the verbs accept, whose attributes the extras never read
+(``tests/meta/test_architecture.py`` checks). For a transport (``fsdp_compose_shm``): the default collectives
+it falls back to, and how a collective is issued and waited. Whatever an extra needs of the core is added here.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from ._runtime.schedule import (
     record_pre_forward,
     reshards_after_forward,
 )
-from ._runtime.state import RootState, owner_of, state_of, states_in
+from ._runtime.state import RootState, owner_of, state_of, states_in, user_class
 from ._runtime.rows import row_layout
 from .whole_model.model_groups import reshard_idle
 
@@ -293,6 +293,7 @@ __all__ = [
     "set_gather_codec",
     "row_layout",
     "reshard_idle",
+    "user_class",
     "DIRECT_ALL_GATHER",
     "DIRECT_REDUCE_SCATTER",
     "GATHER_METHOD",

@@ -21,8 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ... import FSDPModule
-from ...extras_api import reshard_idle
+from ...extras_api import reshard_idle, user_class
 
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
 from .local_region import region_of
@@ -186,7 +185,7 @@ def _write_configs(model: nn.Module, path: str) -> None:
     config = getattr(model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config = copy.deepcopy(config)
-        config.architectures = [_model_class(model).__name__]
+        config.architectures = [user_class(type(model)).__name__]
         floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
         if floating:  # transformers reloads in this dtype (its own save_pretrained records it too)
             config.dtype = floating[0]
@@ -195,14 +194,6 @@ def _write_configs(model: nn.Module, path: str) -> None:
     can_generate = getattr(model, "can_generate", None)
     if generation is not None and callable(can_generate) and can_generate():
         generation.save_pretrained(path)
-
-
-def _model_class(model: nn.Module) -> type:
-    """The model's class before ``fully_shard`` swapped in its subclass."""
-    for cls in type(model).__mro__:
-        if not issubclass(cls, FSDPModule):
-            return cls
-    return type(model)
 
 
 def _barrier() -> None:
