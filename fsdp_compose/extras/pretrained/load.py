@@ -8,17 +8,21 @@ leaves the model untouched everywhere.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...extras_api import reshard_idle
 
+from . import peft
 from .agreement import raise_on_every_rank
 from .checkpoint_dir import read_checkpoint
+from .initialize import InitJob, initializer, module_jobs, run_jobs, unsupported
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors, non_persistent_buffers
 from .progress import progress
@@ -37,10 +41,11 @@ class LoadResult(NamedTuple):
 
 
 class _Plan(NamedTuple):
-    loads: list[tuple[ModelTensor, TensorEntry, Region]]
+    loads: list[tuple[str, TensorEntry, Region]]  # by the tensor's first model name
     missing: list[str]
     unexpected: list[str]
     rebuild: list[tuple[nn.Module, str, str]]  # non-persistent buffers on meta, to compute again
+    inits: list[InitJob]  # a meta-built model: what the checkpoint does not hold, initialized by the model's way
 
 
 @torch.no_grad()
@@ -51,6 +56,7 @@ def load_pretrained(
     strict: bool = True,
     key_map: KeyMap | None = None,
     init_buffers: Callable[[nn.Module], None] | None = None,
+    init_missing: Callable[[nn.Module], None] | None = None,
 ) -> LoadResult:
     """Load the safetensors checkpoint at ``path`` (a directory with ``model.safetensors.index.json`` or
     ``model.safetensors``, or one ``.safetensors`` file) into ``model``, sharded or not, on every rank.
@@ -59,15 +65,21 @@ def load_pretrained(
     live, and its non-persistent buffers are computed as the module's own initialisation computes them: a
     Hugging Face model's ``_init_weights(module)``, else ``init_buffers(module)`` for each module owning one.
     ``key_map`` renames checkpoint names to the model's (a dict, or a callable returning ``None`` to skip
-    a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned (a meta-built
-    model's missing parameters then hold what ``to_empty`` left: initialize them afterwards).
+    a tensor). ``strict`` raises on missing or unexpected names; otherwise they are returned and named in a
+    warning, and a meta-built model's missing tensors are initialized as the model initializes them: each
+    owning module's ``init_missing(module)``, else a Hugging Face model's ``_init_weights(module)``, else its
+    ``reset_parameters()`` (at full size, each rank keeping its rows); a materialized model's keep their values.
+
+    A peft model (LoRA adapters on the base layers) takes a base checkpoint under the base names
+    (``q_proj.base_layer.weight`` reads ``q_proj.weight``); its adapters are not the checkpoint's and keep the
+    values peft gave them (a meta-built model's LoRA adapters get peft's own initialisation).
     """
     # a group left unsharded (the root after a forward with grad and no backward) holds plain tensors the next
     # reshard would drop: the load goes into the shards, every group sharded first (refused during backward)
     reshard_idle(model, "load_pretrained")
     error, plan = None, None
     try:
-        plan = _plan(model, path, key_map, init_buffers)
+        plan = _plan(model, path, key_map, init_buffers, init_missing, strict)
         if strict and (plan.missing or plan.unexpected):
             error = f"{path}: {_mismatch(plan.missing, plan.unexpected)}; pass key_map to rename, or strict=False"
     except (PretrainedCheckpointError, OSError, ValueError, NotImplementedError) as failure:
@@ -75,16 +87,20 @@ def load_pretrained(
     raise_on_every_rank(error)
     assert plan is not None
     _materialize(model, plan.rebuild, init_buffers)
+    run_jobs(model, plan.inits)  # before the reads: a job writes whole modules, loaded tensors included
     now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
     bytes_read = 0
     with progress(sum(entry.nbytes for _, entry, _ in plan.loads), "load_pretrained") as bar:
-        for target, entry, region in plan.loads:
-            bytes_read += _read_into(_local(now[target.names[0]]), entry, region)
+        for name, entry, region in plan.loads:
+            bytes_read += _read_into(_local(now[name]), entry, region)
             bar.update(entry.nbytes)
+    if plan.missing and (not dist.is_initialized() or dist.get_rank() == 0):
+        done = "initialized as the model initializes them" if plan.inits else "left with the values they had"
+        warnings.warn(f"load_pretrained: {path} lacks {', '.join(plan.missing)}; {done}", stacklevel=3)
     return LoadResult(plan.missing, plan.unexpected, bytes_read)
 
 
-def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> _Plan:
+def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers, init_missing, strict: bool) -> _Plan:
     found = read_checkpoint(path)
     renamed: dict[str, TensorEntry] = {}
     for name, entry in found.items():
@@ -95,18 +111,20 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
             raise PretrainedCheckpointError(f"{entry.file}: tensors '{renamed[new].name}' and '{name}' both map to '{new}'")
         renamed[new] = entry
     loads, missing, known = [], [], set()
-    for target in checkpoint_tensors(model):
+    bases, adapters = peft.split(model, checkpoint_tensors(model))  # a peft model: base names; adapters apart
+    for target in bases:
         known.update(target.names)
+        name, tensor = target.model.names[0], target.model.tensor
         entry = next((renamed[n] for n in target.names if n in renamed), None)
         if entry is None:
-            missing.append(target.names[0])
+            missing.append(name)
             continue
-        if entry.shape != tuple(target.tensor.shape):
+        if entry.shape != tuple(tensor.shape):
             raise PretrainedCheckpointError(
                 f"{entry.file}: tensor '{entry.name}' has shape {list(entry.shape)}, "
-                f"the model's '{target.names[0]}' {list(target.tensor.shape)}"
+                f"the model's '{name}' {list(tensor.shape)}"
             )
-        loads.append((target, entry, region_of(target.tensor, target.names[0])))
+        loads.append((name, entry, region_of(tensor, name)))
     loads.sort(key=lambda load: (load[1].file, load[1].begin))  # each file read front to back
     unexpected = sorted(set(renamed) - known)
     on_meta = [t.is_meta for t in (*model.parameters(), *model.buffers())]
@@ -115,6 +133,7 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
             "the model is partly on meta: materializing it (to_empty) would overwrite the values it already has; "
             "build it wholly on meta, or materialize it (to_empty, init_sharded_parameters) before load_pretrained"
         )
+    inits = _init_jobs(model, missing if not strict else [], adapters, init_missing) if all(on_meta) else []
     rebuild = [b for b in non_persistent_buffers(model) if getattr(b[0], b[1]).is_meta]
     if rebuild and init_buffers is None and not hasattr(model, "_init_weights"):
         names = ", ".join(fqn for _, _, fqn in rebuild)
@@ -122,7 +141,30 @@ def _plan(model: nn.Module, path: str, key_map: KeyMap | None, init_buffers) -> 
             f"non-persistent buffers {names} are on meta and no checkpoint holds them; pass "
             "init_buffers=fn(module) that computes them (what the module's __init__ does)"
         )
-    return _Plan(loads, missing, unexpected, rebuild)
+    return _Plan(loads, missing, unexpected, rebuild, inits)
+
+
+def _init_jobs(model: nn.Module, missing: list[str], adapters: list[ModelTensor], init_missing) -> list[InitJob]:
+    """What the load materializes and no checkpoint tensor fills: missing names by the model's own
+    initialisation, a peft model's adapters by peft's; refused, naming them, where nothing can."""
+    jobs, orphans = module_jobs(model, missing, initializer(model, init_missing))
+    adapter_jobs, uninitialized = peft.adapter_init_jobs(model, adapters)
+    if orphans:
+        raise PretrainedCheckpointError(
+            f"strict=False: the checkpoint lacks {', '.join(orphans)}, the model is on meta and has no way to "
+            "initialize them (no _init_weights, no reset_parameters); pass init_missing=fn(module)"
+        )
+    if uninitialized:
+        raise PretrainedCheckpointError(
+            f"the model is on meta and its adapter tensors {', '.join(uninitialized)} can be initialized only by peft "
+            "(LoRA with init_lora_weights True or 'gaussian'); use one of those, or build the peft model off meta"
+        )
+    bad = unsupported(model, jobs + adapter_jobs)
+    if bad:
+        raise PretrainedCheckpointError(
+            f"cannot initialize {', '.join(bad)} at full size (tensor parallel); load a checkpoint that holds them"
+        )
+    return jobs + adapter_jobs
 
 
 def _mismatch(missing: list[str], unexpected: list[str]) -> str:

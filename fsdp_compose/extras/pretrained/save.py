@@ -15,6 +15,7 @@ import json
 import os
 import re
 import secrets
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -23,6 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from ...extras_api import reshard_idle, user_class
 
+from . import peft
+from .agreement import raise_on_every_rank
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
 from .local_region import region_of
 from .model_tensors import ModelTensor, checkpoint_tensors
@@ -34,12 +37,21 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K
 
 @torch.no_grad()
 def save_pretrained(
-    model: nn.Module, path: str, *, max_shard_size: int | str = "5GB", shared_filesystem: bool | None = None
+    model: nn.Module,
+    path: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    shared_filesystem: bool | None = None,
+    merge_adapters: bool = False,
 ) -> list[str]:
     """Write ``model`` (sharded or not) to the directory ``path`` as ``transformers.from_pretrained`` reads it:
     safetensors files of at most ``max_shard_size`` each (``model.safetensors``, or numbered files and
     ``model.safetensors.index.json``), with the model's ``config.json`` and ``generation_config.json`` when
     it has them. Values are written in the parameters' dtype, bit for bit. Call it on every rank.
+
+    A peft ``PeftModel`` is written as ``PeftModel.save_pretrained`` writes it: each adapter's
+    ``adapter_model.safetensors`` (peft's names) and ``adapter_config.json``, no base weights; with
+    ``merge_adapters=True``, the base model with the active LoRA adapters merged into its weights instead.
 
     ``shared_filesystem`` (default: found out by a file rank 0 writes and every rank looks for) chooses the
     way: every rank writing its rows in place, or rank 0 writing everything. Returns the files written.
@@ -51,12 +63,35 @@ def save_pretrained(
             raise ValueError(f"save_pretrained: '{target.names[0]}' is on meta; it has no values to save")
         if target.tensor.dtype not in NAMES:
             raise ValueError(f"save_pretrained: '{target.names[0]}' has dtype {target.tensor.dtype}, which safetensors cannot hold")
-    files = _split(tensors, _bytes(max_shard_size))
+    if merge_adapters and not peft.holds_adapters(model):
+        raise ValueError("save_pretrained(merge_adapters=True): the model holds no peft adapters")
+    if peft.holds_adapters(model) and not merge_adapters:
+        written = []
+        for folder, members in peft.adapter_files(model, tensors):  # every check before the first write
+            out = os.path.join(path, folder)
+            written += _write_files(out, members, None, shared_filesystem, peft.ADAPTER_FILE)[0]
+        _on_rank0(lambda: peft.write_adapter_configs(model, path))
+        return written
+    if merge_adapters:
+        tensors = peft.merged_tensors(model, peft.split(model, tensors)[0])
+    written, files, total = _write_files(path, tensors, _bytes(max_shard_size), shared_filesystem, SINGLE_NAME)
+    names = [os.path.basename(file) for file in written]
+    _on_rank0(lambda: _write_small_files(path, names, files, total, peft.base_model(model)))
+    return written
+
+
+def _write_files(
+    path: str, tensors: list[ModelTensor], limit: int | None, shared_filesystem: bool | None, single_name: str
+) -> tuple[list[str], list[list[ModelTensor]], int]:
+    """``tensors`` written into ``path`` in files of at most ``limit`` bytes (one file: ``single_name``);
+    the files' paths, their members and the bytes of tensor data."""
+    files = _split(tensors, limit) if limit is not None else [tensors]
     rank = dist.get_rank() if dist.is_initialized() else 0
     os.makedirs(path, exist_ok=True)
     if shared_filesystem is None:
         shared_filesystem = _shared(path)
-    names = [SINGLE_NAME] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    numbered = [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    names = [single_name] if len(files) == 1 else numbered
     total = sum(t.tensor.numel() * t.tensor.dtype.itemsize for t in tensors)
     with progress(total, "save_pretrained") as bar:
         for name, members in zip(names, files):
@@ -69,12 +104,27 @@ def save_pretrained(
             else:
                 _write_whole(file, header, offsets, members, rank)
             bar.update(sum(t.tensor.numel() * t.tensor.dtype.itemsize for t in members))
-    if rank == 0:
-        if len(files) > 1:
-            _write_index(path, names, files, total)
-        _write_configs(model, path)
-    _barrier()
-    return [os.path.join(path, name) for name in names]
+    return [os.path.join(path, name) for name in names], files, total
+
+
+def _write_small_files(
+    path: str, names: list[str], files: list[list[ModelTensor]], total: int, model: nn.Module
+) -> None:
+    """The index (for several files) and the configuration files."""
+    if len(files) > 1:
+        _write_index(path, names, files, total)
+    _write_configs(model, path)
+
+
+def _on_rank0(write: Callable[[], object]) -> None:
+    """Rank 0 writes the small files; its error, if any, is raised on every rank (the others wait for it)."""
+    error = None
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        try:
+            write()
+        except Exception as failure:  # noqa: BLE001 - passed to every rank, raised there
+            error = f"save_pretrained: writing the configuration files failed: {type(failure).__name__}: {failure}"
+    raise_on_every_rank(error)
 
 
 def _write_rows(file: str, header: bytes, offsets: dict[str, int], members: list[ModelTensor], rank: int) -> None:
