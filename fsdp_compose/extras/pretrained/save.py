@@ -19,14 +19,16 @@ import logging
 import os
 import re
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from ... import FSDPModule
+from ...extras_api import reshard_idle, user_class
 
+from . import peft
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
 from .conversions import ConvertedTensor, to_checkpoint_layout
 from .local_region import Region, region_of
@@ -48,6 +50,7 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     shared_filesystem: bool | None = None,
     progress: bool = True,
+    merge_adapters: bool = False,
 ) -> list[str]:
     """Write ``model`` (sharded or not) to the directory ``path`` as ``transformers.from_pretrained`` reads it:
     safetensors files of at most ``max_shard_size`` each (``model.safetensors``, or numbered files and
@@ -55,6 +58,10 @@ def save_pretrained(
     it has them. Values are written in the parameters' dtype, bit for bit, under the names and in the layout
     transformers' own ``save_pretrained`` writes (a mixture of experts: one tensor per expert). Call it on
     every rank.
+
+    A peft ``PeftModel`` is written as ``PeftModel.save_pretrained`` writes it: each adapter's
+    ``adapter_model.safetensors`` (peft's names) and ``adapter_config.json``, no base weights; with
+    ``merge_adapters=True``, the base model with the active LoRA adapters merged into its weights instead.
 
     ``shared_filesystem`` (default: found out by a file rank 0 writes and every rank looks for) chooses the
     way: every rank writing its rows in place, or rank 0 writing everything. Returns the files written.
@@ -69,24 +76,49 @@ def save_pretrained(
     the ``fsdp_compose`` logger.
     """
     began = time.perf_counter()
+    reshard_idle(model, "save_pretrained")  # the modules hold the shards again (a forward without backward)
     tensors = checkpoint_tensors(model)
     for target in tensors:
         if target.tensor.is_meta:
             raise ValueError(f"save_pretrained: '{target.names[0]}' is on meta; it has no values to save")
         if target.tensor.dtype not in NAMES:
             raise ValueError(f"save_pretrained: '{target.names[0]}' has dtype {target.tensor.dtype}, which safetensors cannot hold")
+    adapters = peft.holds_adapters(model)
+    if merge_adapters and not adapters:
+        raise ValueError("save_pretrained(merge_adapters=True): the model holds no peft adapters")
+    if adapters and not merge_adapters:  # every check before the first write
+        named = [(os.path.join(folder, peft.ADAPTER_FILE), members) for folder, members in peft.adapter_files(model, tensors)]
+        return _save_files(path, named, lambda out: peft.write_adapter_configs(model, out.staging), shared_filesystem, progress, began)
+    if merge_adapters:
+        tensors = peft.merged_tensors(model, peft.split(model, tensors)[0])
     tensors = to_checkpoint_layout(model, tensors)  # conversions: the names and layout transformers writes
     files = _split(tensors, _bytes(max_shard_size))
+    names = [SINGLE_NAME] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
+    total = sum(t.tensor.numel() * t.tensor.dtype.itemsize for t in tensors)
+
+    def small_files(out: SaveDir) -> None:  # the index (for several files) and the configuration files
+        if len(files) > 1:
+            _write_index(out, names, files, total)
+        _write_configs(peft.base_model(model), out.staging)
+
+    return _save_files(path, list(zip(names, files)), small_files, shared_filesystem, progress, began)
+
+
+def _save_files(
+    path: str, named: list[tuple[str, list[ModelTensor]]], small_files: Callable[[SaveDir], None],
+    shared_filesystem: bool | None, progress: bool, began: float,
+) -> list[str]:
+    """Each ``(name, tensors)`` written as a safetensors file into a fresh directory beside ``path``, then rank 0's
+    ``small_files(out)``; the directory takes ``path``'s place once every rank succeeded."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     out = SaveDir.begin(path)  # a fresh directory beside path, put in its place once every rank's writes succeeded
     if shared_filesystem is None:
         shared_filesystem = out.shared()
-    names = [SINGLE_NAME] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
-    total = sum(t.tensor.numel() * t.tensor.dtype.itemsize for t in tensors)
-    mine = [sum(_written_here(t, rank, shared_filesystem) for t in members) for members in files]
+    total = sum(t.tensor.numel() * t.tensor.dtype.itemsize for _, members in named for t in members)
+    mine = [sum(_written_here(t, rank, shared_filesystem) for t in members) for _, members in named]
     failure = None  # this rank's first failed write: kept, so that it still takes part in every collective
     with progress_bar(sum(mine), "save_pretrained", enabled=progress) as bar:
-        for name, members, written in zip(names, files, mine):
+        for (name, members), written in zip(named, mine):
             header, offsets = header_bytes(
                 [(t.names[0], t.tensor.dtype, tuple(t.tensor.shape)) for t in members], {"format": "pt"}
             )
@@ -96,16 +128,14 @@ def save_pretrained(
                 failure = _write_whole(out, name, header, offsets, members, rank, failure)
             bar.update(written)
     if rank == 0 and failure is None:
-        if len(files) > 1:
-            failure = attempt(lambda: _write_index(out, names, files, total), out.path(INDEX_NAME))
-        failure = failure or attempt(lambda: _write_configs(model, out.staging), out.path("config.json"))
+        failure = attempt(lambda: small_files(out), out.path("config.json"))
     out.finish(failure)  # every rank raises if one failed; else the new directory takes the target's place
     logger.info(
-        "save_pretrained: %d file(s) of %.1f MiB to %s in %.2f s; %s wrote %.1f MiB (%s)", len(names),
+        "save_pretrained: %d file(s) of %.1f MiB to %s in %.2f s; %s wrote %.1f MiB (%s)", len(named),
         total / 2**20, path, time.perf_counter() - began, f"rank {rank}" if dist.is_initialized() else "this process",
         sum(mine) / 2**20, "its rows, in place" if shared_filesystem else "rank 0 writes every file",
     )
-    return [os.path.join(path, name) for name in names]
+    return [os.path.join(path, name) for name, _ in named]
 
 
 def _writes(tensor: torch.Tensor, region: Region, rank: int) -> bool:
@@ -224,7 +254,7 @@ def _write_configs(model: nn.Module, path: str) -> None:
     config = getattr(model, "config", None)
     if config is not None and callable(getattr(config, "save_pretrained", None)):
         config = copy.deepcopy(config)
-        config.architectures = [_model_class(model).__name__]
+        config.architectures = [user_class(type(model)).__name__]
         floating = [p.dtype for p in model.parameters() if p.is_floating_point()]
         if floating:  # transformers reloads in this dtype (its own save_pretrained records it too)
             config.dtype = floating[0]
@@ -233,14 +263,6 @@ def _write_configs(model: nn.Module, path: str) -> None:
     can_generate = getattr(model, "can_generate", None)
     if generation is not None and callable(can_generate) and can_generate():
         generation.save_pretrained(path)
-
-
-def _model_class(model: nn.Module) -> type:
-    """The model's class before ``fully_shard`` swapped in its subclass."""
-    for cls in type(model).__mro__:
-        if not issubclass(cls, FSDPModule):
-            return cls
-    return type(model)
 
 
 def _barrier() -> None:

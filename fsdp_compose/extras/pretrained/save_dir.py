@@ -94,6 +94,8 @@ class SaveDir:
 
     def create(self, name: str, header: bytes, size: int) -> None:
         """Rank 0: a new file ``name`` of ``size`` bytes starting with ``header`` (never an existing one or a link)."""
+        if os.path.dirname(name):  # an adapter's subfolder (peft saves each extra adapter in its own)
+            os.makedirs(os.path.dirname(self.path(name)), exist_ok=True)
         fd = os.open(self.path(name), _CREATE, 0o644)
         try:
             pwrite_all(fd, memoryview(header), 0)
