@@ -292,8 +292,9 @@ class FaultTolerance:
             )
         if n * w2 != w1 * w1:
             return (
-                f"the {n} replica groups start from different weights (this rank's shards differ at step 0): build "
-                "the model from the same seed in every replica group, or pass init_sync=True to copy one group's"
+                f"the {n} replica groups start from different weights (a rank's shards differ at step 0): build the "
+                "model from the same seed in every replica group, or pass init_sync=True (torchft then copies one "
+                "group's weights at step 0)"
             )
         return None
 
