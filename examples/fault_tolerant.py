@@ -130,7 +130,10 @@ def worker(group: int, rank: int, life: int, port: int, args: dict) -> None:
     built = time.time()
     if life == 0:  # every group's manager is up before the first quorum, so it holds them all
         (out / f"ready.g{group}r{rank}").touch()
+        deadline = time.monotonic() + args["timeout"]
         while not (out / "go").exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError("the launcher never said go")
             time.sleep(0.05)
     kill_at, step, calls = args["kill_at"], 0, [0]
     if kill_at and group == 1 and life == 0:
@@ -184,12 +187,14 @@ def free_port() -> int:
 
 
 def start_lighthouse(out: Path, heartbeat_ms: int) -> tuple[subprocess.Popen, str]:
-    binary = shutil.which("torchft_lighthouse")
-    cmd = [binary] if binary else [sys.executable, "-c", "import torchft._torchft as t; t.lighthouse_main()"]
+    # the console script beside this interpreter, run by it: the process we start is the lighthouse (a shim such
+    # as pyenv's would leave it behind when killed)
+    script = Path(sys.executable).parent / "torchft_lighthouse"
+    cmd = [sys.executable, str(script)] if script.exists() else [shutil.which("torchft_lighthouse") or str(script)]
     cmd += ["--min_replicas", "1", "--bind", "[::]:0", "--quorum_tick_ms", "100", "--join_timeout_ms", "60000"]
     cmd += ["--heartbeat_timeout_ms", str(heartbeat_ms)]
     log = open(out / "lighthouse.log", "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # in our process group: killed with it
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline and proc.poll() is None:
         found = re.search(r"listening on: http://[^:\s]+:(\d+)", (out / "lighthouse.log").read_text())
@@ -204,6 +209,7 @@ def launch(args: argparse.Namespace) -> int:
     out = Path(args.out or tempfile.mkdtemp(prefix="fault_tolerant_"))
     out.mkdir(parents=True, exist_ok=True)
     ctx = mp.get_context("forkserver")  # children fork from a server that imported this file (torch, torchft)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the clean-up below
     lighthouse, procs = None, {}
     began = time.monotonic()
     try:

@@ -217,7 +217,8 @@ class FaultTolerance:
         return manager if manager is not None else build()
 
     def _check_root(self) -> None:
-        """At the first step (the root is known after the first forward): ``model`` must be the root."""
+        """At the first step (the root is known after the first forward): ``model`` must be the root, and its
+        sharded parameters those collected at construction."""
         if self._root_checked:
             return
         self._root_checked = True
@@ -226,6 +227,12 @@ class FaultTolerance:
             raise FaultToleranceError(
                 f"FaultTolerance: the module passed, {facts.label}, is not the root of its sharded model, "
                 f"{group_facts(facts.root).label} is: pass the root, so the hook covers every group"
+            )
+        now = {id(p.parameter) for _, h in groups_in(self.model) for p in group_facts(h).params}
+        if now != {id(param) for _, param in self._params}:
+            raise FaultToleranceError(
+                "FaultTolerance: the model's sharded parameters were replaced after FaultTolerance was built "
+                "(model.to(...), load_state_dict(assign=True)): build it, like the optimizer, after those"
             )
 
     # ----- the all-reduce across replica groups -----------------------------------------------------

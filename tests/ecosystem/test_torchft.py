@@ -220,6 +220,13 @@ def _errors(lighthouse: str, unreachable: str) -> dict[str, str]:
         return FaultTolerance(block, torch.optim.AdamW(block.parameters()), pg=pg(), lighthouse=lighthouse, **common)
 
     attempt("a block and its optimizer", block_only, step=True)
+
+    def replaced(model, optimizer):
+        ft = FaultTolerance(model, optimizer, pg=pg(), lighthouse=lighthouse, **common)
+        model.load_state_dict(model.state_dict(), assign=True)  # new parameter objects, adopted by fully_shard
+        return ft
+
+    attempt("replaced after", replaced, step=True)
     del store
     return found
 
@@ -227,8 +234,8 @@ def _errors(lighthouse: str, unreachable: str) -> dict[str, str]:
 def test_misconfiguration_is_one_clear_error_on_every_rank():
     """torchft's lighthouse missing or unreachable, a process group that is not torchft's, a bad
     ``min_replica_size``, no store for the manager, the hook asked for on a block instead of the root (caught at
-    construction when the optimizer steps parameters outside it, else at the first step): each rank raises the
-    same ``FaultToleranceError``, and no rank waits on another."""
+    construction when the optimizer steps parameters outside it, else at the first step), parameters replaced
+    after it was built: each rank raises the same ``FaultToleranceError``, and no rank waits on another."""
     with Lighthouse(1) as lighthouse:
         with __import__("socket").socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
@@ -244,6 +251,7 @@ def test_misconfiguration_is_one_clear_error_on_every_rank():
     assert "the optimizer steps 'inp.weight'" in found["a block"] and "Pass the root module" in found["a block"], found
     message = "the module passed, 'blocks.0' (Block), is not the root of its sharded model, '<root>' (Net) is"
     assert message in found["a block and its optimizer"], found
+    assert "the model's sharded parameters were replaced after FaultTolerance was built" in found["replaced after"], found
 
 
 def test_without_torchft_the_import_names_the_extra():
