@@ -6,7 +6,7 @@
 
 One command runs the whole recipe (docs/fault-tolerance.md): a torchft lighthouse, then two replica groups,
 each a job of 2 ranks that shards a small model with ``fully_shard`` and averages gradients across the groups
-through ``fsdp_compose.extras.fault_tolerance.FaultTolerance``. At ``--kill-at K`` every rank of group 1 kills
+through ``fsdp_compose.FaultTolerance``. At ``--kill-at K`` every rank of group 1 kills
 itself with SIGKILL right after the first cross-replica all-reduce of step K's backward (a machine dying
 mid-backward, with part of its gradients already averaged into group 0's); this script then starts group 1
 again, which recovers the weights and optimizer state from group 0 and trains on. Training ends at the first
@@ -41,8 +41,7 @@ import torch.distributed as dist
 import torchft
 from torch import nn
 
-from fsdp_compose import fully_shard
-from fsdp_compose.extras.fault_tolerance import FaultTolerance
+from fsdp_compose import FaultTolerance, fully_shard
 
 GROUPS, RANKS, WIDTH = 2, 2, 32
 

@@ -1,21 +1,14 @@
 """Fault-tolerant HSDP with torchft: replica groups that shard with ``fully_shard``, averaged by torchft.
 
-Each replica group is a job of its own (its default process group spans its ranks) that shards the model with
-``fully_shard``. ``FaultTolerance(model, optimizer, pg=..., ...)`` wires it to torchft 0.2.0 as torchtitan does
-with torch's FSDP2: a ``torchft.Manager`` per rank, an all-reduce hook on every group of ``model``
-(``set_all_reduce_hook``) that averages each reduced gradient shard over the replica groups in the quorum through
-``manager.allreduce``, an optimizer wrapper that steps only when the quorum commits, and the state-dict functions
-torchft sends to, and loads in, a replica group that recovers. What is ours to check is checked, with the same
-error on every rank of a group: torchft's configuration before a ``Manager`` is built, that the optimizer's
-parameters are all under ``model``'s groups and ``model`` is the root, and at each new quorum that the replica
-groups hold the same parameter names, shapes and dtypes (and, at step 0, the same weights).
-
-The state-dict functions read only the sharded parameters (the ``DTensor`` objects the optimizer holds, collected
-once here) and the optimizer's state; ``fully_shard`` never swaps or writes those between an optimizer step and
-the next, while a running forward or backward swaps the module's registered parameters (what
-``module.state_dict()`` would walk). A lock held around each optimizer step and each load makes a state dict
-taken from any other thread (torchft's quorum thread serving a recovering group, a user's checkpoint thread)
-never overlap a step. Needs the ``ft`` extra (torchft 0.2.0). docs/fault-tolerance.md explains the recipe.
+``FaultTolerance(model, optimizer, pg=...)`` wires one replica group's rank to torchft 0.2.0 as torchtitan does
+with torch's FSDP2: a ``torchft.Manager``, an all-reduce hook on every group of ``model`` (``manager.allreduce``:
+the mean over the replica groups in the quorum), an optimizer that steps only when the quorum commits, and the
+state-dict functions a recovering replica group loads. The same error on every rank of a group for what is ours
+to check: torchft's configuration, the hook not covering the optimizer's parameters or ``model`` not the root,
+and at each new quorum replica groups holding other parameter names, shapes or dtypes (at step 0, other weights).
+The state dict reads only the sharded ``DTensor``s (collected once) and the optimizer's state, which nothing
+writes outside an optimizer step, under a lock that each step and load also hold: safe from any thread. torchft
+is imported when a ``FaultTolerance`` is built, so this module imports without it. See docs/fault-tolerance.md.
 """
 
 from __future__ import annotations
@@ -31,27 +24,32 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 from torch.distributed.tensor import DTensor
 
 from ..extras_api import group_facts, group_of, groups_in, owner_of, raise_together
-
-try:
-    from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
-    from torchft import Manager
-    from torchft.optim import OptimizerWrapper
-    from torchft.process_group import ProcessGroup as TorchftProcessGroup
-except ImportError as missing:  # the optional 'ft' extra
-    raise ImportError(
-        "fsdp_compose.extras.fault_tolerance needs torchft 0.2.0 (the 'ft' extra): "
-        "pip install --no-deps torchft==0.2.0 opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "
-        f"({missing})"
-    ) from missing
 
 FINGERPRINT = 1 << 20  # fingerprints below 2**20: their squares summed over 4096 groups stay exact in float64
 
 
 class FaultToleranceError(RuntimeError):
     """torchft misconfigured, the hook not covering the model, or replica groups holding different models."""
+
+    __module__ = "fsdp_compose"  # its public home: tracebacks print fsdp_compose.<name>, pickle finds it there
+
+
+def _torchft() -> Any:
+    """torchft, the optional 'ft' extra: imported when a ``FaultTolerance`` is built, so this module (and the
+    names ``fsdp_compose`` exports from it) imports without it."""
+    try:
+        import torchft
+    except ImportError as missing:
+        raise ImportError(
+            "FaultTolerance needs torchft 0.2.0 (the 'ft' extra): pip install torch==2.13.0 -e '.[ft]', or "
+            "pip install --no-deps torchft==0.2.0 opentelemetry-sdk opentelemetry-exporter-otlp-proto-http "
+            f"({missing})"
+        ) from missing
+    return torchft
 
 
 def _fingerprint(data: bytes) -> int:
@@ -72,14 +70,33 @@ def _lighthouse_problem(address: str | None, timeout_s: float) -> str | None:
     return None
 
 
-class FaultTolerantOptimizer(OptimizerWrapper):
-    """torchft's ``OptimizerWrapper``: ``zero_grad()`` starts the step's quorum, ``step()`` steps the wrapped
-    optimizer only if the quorum commits (``committed`` says whether it did), under the state-dict lock."""
+class FaultTolerantOptimizer(torch.optim.Optimizer):
+    """What torchft's ``OptimizerWrapper`` does: ``zero_grad()`` starts the step's quorum, ``step()`` steps the
+    wrapped optimizer (``optim``) only if the quorum commits (``committed`` says whether it did); the step holds
+    the state-dict lock. ``state_dict``, ``param_groups`` and ``state`` are the wrapped optimizer's."""
 
-    def __init__(self, owner: FaultTolerance, manager: Manager, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(manager, optimizer)
-        self._owner = owner
+    def __init__(self, owner: FaultTolerance, manager: Any, optimizer: torch.optim.Optimizer) -> None:
+        # not Optimizer.__init__: no parameters of its own, as torchft's wrapper
+        self.optim, self.manager, self._owner = optimizer, manager, owner
         self.committed: bool | None = None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.manager.start_quorum()
+        self.optim.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optim.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optim.load_state_dict(state_dict)
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
+        return self.optim.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optim.state
 
     def step(self, closure: object | None = None) -> None:
         if closure is not None:
@@ -108,7 +125,7 @@ class FaultTolerance:
         model: nn.Module,
         optimizer: torch.optim.Optimizer,
         *,
-        pg: TorchftProcessGroup,
+        pg: Any,
         group: dist.ProcessGroup | None = None,
         min_replica_size: int = 1,
         replica_id: str | None = None,
@@ -116,6 +133,7 @@ class FaultTolerance:
         init_sync: bool = False,
         **manager_options: Any,
     ) -> None:
+        _torchft()  # the extra, or an ImportError saying how to install it, on every rank before any collective
         if not dist.is_initialized():
             raise FaultToleranceError(
                 "FaultTolerance: init_process_group first (each replica group is a torchrun job of its own, "
@@ -180,10 +198,11 @@ class FaultTolerance:
 
     def _build_manager(
         self, pg: Any, lighthouse: str | None, replica_id: str | None, min_replica_size: int, **options: Any
-    ) -> Manager:
+    ) -> Any:
         """Rank 0 first (it starts the manager server the other ranks look up): a failure there is every rank's."""
+        torchft = _torchft()
         problem = None
-        if not isinstance(pg, TorchftProcessGroup):
+        if not isinstance(pg, torchft.process_group.ProcessGroup):
             problem = f"pg must be a torchft process group (e.g. torchft.ProcessGroupGloo()), got {type(pg).__name__}"
         elif isinstance(min_replica_size, bool) or not isinstance(min_replica_size, int) or min_replica_size < 1:
             problem = f"min_replica_size must be a positive int, got {min_replica_size!r}"
@@ -194,8 +213,8 @@ class FaultTolerance:
             problem = _lighthouse_problem(lighthouse, 10.0 if connect is None else connect.total_seconds())
         raise_together(problem and f"FaultTolerance: {problem}", group=self._agreement, cls=FaultToleranceError)
 
-        def build() -> Manager:
-            return Manager(
+        def build() -> Any:
+            return torchft.Manager(
                 pg=pg,
                 load_state_dict=self.load_state_dict,
                 state_dict=self.state_dict,

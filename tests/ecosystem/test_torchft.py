@@ -31,7 +31,7 @@ from tests.harness import run_on_ranks
 torchft = pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer  # noqa: E402
 
-from fsdp_compose.extras.fault_tolerance import FaultTolerance, FaultToleranceError  # noqa: E402
+from fsdp_compose import FaultTolerance, FaultToleranceError  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "fault_tolerant.py"
@@ -254,11 +254,17 @@ def test_misconfiguration_is_one_clear_error_on_every_rank():
     assert "the model's sharded parameters were replaced after FaultTolerance was built" in found["replaced after"], found
 
 
-def test_without_torchft_the_import_names_the_extra():
-    code = "import sys; sys.modules['torchft'] = None; import fsdp_compose.extras.fault_tolerance"
+def test_without_torchft_building_it_names_the_extra():
+    """The names import without torchft (``fsdp_compose`` exports them); building a ``FaultTolerance`` says how
+    to install the extra, before any collective."""
+    code = (
+        "import sys; sys.modules['torchft'] = None\n"
+        "from fsdp_compose import FaultTolerance, FaultToleranceError\n"
+        "FaultTolerance(None, None, pg=None)\n"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert done.returncode == 1
-    assert "needs torchft 0.2.0 (the 'ft' extra): pip install --no-deps torchft==0.2.0" in done.stderr, done.stderr
+    assert "ImportError: FaultTolerance needs torchft 0.2.0 (the 'ft' extra): pip install torch==2.13.0 -e '.[ft]'" in done.stderr, done.stderr
 
 
 # ----- replica groups holding different models -----------------------------------------------------------
