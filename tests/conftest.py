@@ -1,6 +1,18 @@
 import pytest
 import torch.distributed as dist
 
+_deselected: list[pytest.Item] = []
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _deselected.extend(items)  # e.g. the slow tests pyproject.toml's addopts leaves out
+
+
+@pytest.fixture(scope="session")
+def collected_items(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """Every test this session collected, the deselected ones (``-m``, ``-k``) included."""
+    return [*request.session.items, *_deselected]
+
 
 @pytest.fixture(scope="session")
 def single_rank_group():

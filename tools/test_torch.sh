@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run the tests on another torch release, in a virtual environment of its own:
 #
-#     bash tools/test_torch.sh 2.11.0                  # the whole suite
+#     bash tools/test_torch.sh 2.11.0                  # the default selection (slow tests left out)
+#     bash tools/test_torch.sh 2.11.0 -m ''            # the whole suite, slow tests included (.ci/run)
 #     bash tools/test_torch.sh 2.14.1 tests/api/test_fully_shard.py -x
 #
 # The environment is ${FSDP_COMPOSE_VENVS:-~/.cache/fsdp_compose/venvs}/torch-VERSION, made once and reused

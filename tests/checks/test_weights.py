@@ -236,6 +236,7 @@ def _hsdp_one_rank_differs(load_on_replica_0: bool) -> str | None:
     return None
 
 
+@pytest.mark.slow  # 4 ranks
 def test_hsdp_a_rank_differing_off_this_ranks_dims_is_still_seen():
     """Compared over the whole 2-D mesh, not each dim alone: rank 0 shares no mesh group with rank 3; a load on
     replica 0 then a broadcast across replicas (no write seen on the others) passes."""

@@ -16,7 +16,7 @@ from fsdp_compose import estimate
 from fsdp_compose.extras.observe.estimate import CATEGORIES, estimate_many
 from fsdp_compose.extras.observe.fake_step import traffic
 from fsdp_compose.extras.observe.storage import StorageTracker
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 from tests.extras.observe.estimate_jobs import JOBS, LM, fake_built, fp32
 
 CASES = [(name, world) for name in JOBS for world in (2, 3)]
@@ -46,7 +46,7 @@ def estimates():
     jobs = [(JOBS[name], world, rank) for name, world in CASES for rank in (0, world - 1)]
     jobs += [(fp32, 2, 0, "nccl"), (fake_built, 2, 0)]
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(estimate_many, jobs, like="gloo", timeout=120)
+        future = pool.submit(estimate_many, jobs, like="gloo", timeout=hang_timeout())
 
         def get() -> dict:
             return {(e.world_size, e.rank, build.__name__, e.like): e for (build, *_), e in zip(jobs, future.result())}
