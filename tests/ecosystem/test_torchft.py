@@ -1,10 +1,11 @@
 """Fault-tolerant HSDP with torchft 0.2.0 (fsdp_compose/extras/fault_tolerance.py, docs/fault-tolerance.md).
 
-Two replica groups of 2 ranks each train examples/fault_tolerant.py's model. Most cases hold both groups in one
-4-rank job of the test harness (ranks 0-1 and 2-3, each group with its own store, manager and ``fully_shard``
-mesh), against a lighthouse in this process; the kill needs processes that can die, so it runs the example
-itself. Results are compared bitwise with plain HSDP on the same global batch, or with a replay of the steps
-the groups committed. Skipped without torchft.
+Two replica groups train examples/fault_tolerant.py's model. Most cases hold both groups in one job of the test
+harness, against a lighthouse in this process: at 2 ranks one rank per group (the default run), at 4 ranks two
+(ranks 0-1 and 2-3, slow), each group with its own store, manager and ``fully_shard`` mesh. The kill needs
+processes that can die, so it runs the example itself. Results are compared bitwise with plain HSDP on the same
+global batch, or with a replay of the steps the groups committed. Deadlines only catch hangs
+(``hang_timeout``). Skipped without torchft.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 
 torchft = pytest.importorskip("torchft")
 from torchft._torchft import LighthouseServer  # noqa: E402
@@ -51,7 +52,7 @@ def _example():
 class Lighthouse:
     """A torchft lighthouse in this process (what ``torchft_lighthouse`` runs)."""
 
-    def __init__(self, min_replicas: int, heartbeat_timeout_ms: int = 1000) -> None:
+    def __init__(self, min_replicas: int, heartbeat_timeout_ms: int = 5000) -> None:
         self.server = LighthouseServer(
             bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=20000, heartbeat_timeout_ms=heartbeat_timeout_ms
         )
@@ -66,7 +67,15 @@ class Lighthouse:
 
 # ----- in the 4-rank job: two replica groups, or plain HSDP -----------------------------------------------
 def _mesh():
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    """Two replica groups of ``world / 2`` ranks: plain HSDP's mesh, and each group's ``fully_shard`` mesh."""
+    return init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+
+
+TIMEOUTS = dict(  # torchft's: a peer that died is seen at once (its sockets close); these only catch hangs
+    timeout=timedelta(seconds=hang_timeout(60)),
+    quorum_timeout=timedelta(seconds=hang_timeout(120)),
+    connect_timeout=timedelta(seconds=hang_timeout(30)),
+)
 
 
 def _group_store(group: dist.ProcessGroup) -> tuple[dist.TCPStore | None, int]:
@@ -83,14 +92,13 @@ def _fault_tolerant(lighthouse: str, mesh, model, optimizer, **kwargs) -> FaultT
     ft = FaultTolerance(
         model,
         optimizer,
-        pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=20)),
+        pg=torchft.ProcessGroupGloo(timeout=timedelta(seconds=hang_timeout(60))),
         group=group,
         replica_id=f"g{mesh['replicate'].get_local_rank()}",
         lighthouse=lighthouse,
         store_addr="127.0.0.1",
         store_port=port,
-        timeout=timedelta(seconds=30),
-        connect_timeout=timedelta(seconds=10),
+        **TIMEOUTS,
         **kwargs,
     )
     ft._test_store = store  # alive as long as the manager
@@ -164,13 +172,15 @@ def _assert_same_shards(got: dict, want: dict, what: str) -> None:
         assert g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w), f"{what}: optimizer state {i} differs"
 
 
-def test_healthy_run_and_state_dicts_from_a_thread_equal_plain_hsdp():
-    """(a) 2 replica groups x 2 ranks through torchft equal HSDP on a (2, 2) mesh, bitwise: each rank's losses,
-    shards and optimizer state. (c) The same run while a thread of every rank takes state dicts during the steps
-    (forward and backward included) is bitwise the same: the state-dict functions read only the shards."""
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_healthy_run_and_state_dicts_from_a_thread_equal_plain_hsdp(world):
+    """(a) 2 replica groups (of 1 or 2 ranks) through torchft equal HSDP on a (2, world / 2) mesh, bitwise: each
+    rank's losses, shards and optimizer state. (c) The same run while a thread of every rank takes state dicts
+    during the steps (forward and backward included) is bitwise the same: the state-dict functions read only
+    the shards."""
     steps = 4
     with Lighthouse(2) as first, Lighthouse(2) as second:
-        results = run_on_ranks(4, _healthy_and_hsdp, [first, second], steps, timeout=240)
+        results = run_on_ranks(world, _healthy_and_hsdp, [first, second], steps)
     for rank, result in enumerate(results):
         want = result["hsdp"]
         for run in ("ft", "ft_reading"):
@@ -203,8 +213,8 @@ def _errors(lighthouse: str, unreachable: str) -> dict[str, str]:
             found[name] = str(error)
 
     store, port = _group_store(dist.group.WORLD)
-    common = dict(store_addr="127.0.0.1", store_port=port, connect_timeout=timedelta(seconds=5))
-    pg = lambda: torchft.ProcessGroupGloo(timeout=timedelta(seconds=10))  # noqa: E731
+    common = dict(store_addr="127.0.0.1", store_port=port, **TIMEOUTS)
+    pg = lambda: torchft.ProcessGroupGloo(timeout=timedelta(seconds=hang_timeout(60)))  # noqa: E731
     os.environ.pop("TORCHFT_LIGHTHOUSE", None)
     attempt("no lighthouse", lambda m, o: FaultTolerance(m, o, pg=pg(), **common))
     attempt("unreachable", lambda m, o: FaultTolerance(m, o, pg=pg(), lighthouse=unreachable, **common))
@@ -236,11 +246,12 @@ def test_misconfiguration_is_one_clear_error_on_every_rank():
     ``min_replica_size``, no store for the manager, the hook asked for on a block instead of the root (caught at
     construction when the optimizer steps parameters outside it, else at the first step), parameters replaced
     after it was built: each rank raises the same ``FaultToleranceError``, and no rank waits on another."""
-    with Lighthouse(1) as lighthouse:
+    # a short heartbeat time-out: each case's manager leaves, and the next quorum waits until it is seen gone
+    with Lighthouse(1, heartbeat_timeout_ms=1000) as lighthouse:
         with __import__("socket").socket() as s:  # a port nothing listens on
             s.bind(("127.0.0.1", 0))
             unreachable = f"http://127.0.0.1:{s.getsockname()[1]}"
-        results = run_on_ranks(2, _errors, lighthouse, unreachable, timeout=180)
+        results = run_on_ranks(2, _errors, lighthouse, unreachable)
     assert results[0] == results[1]  # the same message on both ranks
     found = results[0]
     assert "no torchft lighthouse address" in found["no lighthouse"], found
@@ -262,7 +273,7 @@ def test_without_torchft_building_it_names_the_extra():
         "from fsdp_compose import FaultTolerance, FaultToleranceError\n"
         "FaultTolerance(None, None, pg=None)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_timeout(), cwd=ROOT)
     assert done.returncode == 1
     assert "ImportError: FaultTolerance needs torchft 0.2.0 (the 'ft' extra): pip install torch==2.13.0 -e '.[ft]'" in done.stderr, done.stderr
 
@@ -296,18 +307,20 @@ def _different_models(lighthouse: str, variant: str) -> str:
         ft.shutdown()
 
 
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("variant", ["shapes", "weights"])
-def test_replica_groups_with_different_models_raise_on_every_rank(variant):
+def test_replica_groups_with_different_models_raise_on_every_rank(variant, world):
     """Group 1 builds a wider model, or starts from other weights: at the first step every rank of both groups
     raises, before any gradient crosses between the groups (a mismatched all-reduce could hang gloo)."""
     with Lighthouse(2) as lighthouse:
-        messages = run_on_ranks(4, _different_models, lighthouse, variant, timeout=180)
+        messages = run_on_ranks(world, _different_models, lighthouse, variant)
     want = {
         "shapes": "the 2 replica groups training in this quorum hold different models (parameter names, shapes",
         "weights": "the 2 replica groups start from different weights (a rank's shards differ at step 0)",
     }[variant]
     assert all(want in m for m in messages), messages
-    assert len({m.split(" (rank")[0] for m in messages[:2]}) == 1 and len({m.split(" (rank")[0] for m in messages[2:]}) == 1
+    half = world // 2  # each group's ranks raise the same message
+    assert len({m.split(" (rank")[0] for m in messages[:half]}) == 1 and len({m.split(" (rank")[0] for m in messages[half:]}) == 1
 
 
 def _late_joiner(lighthouse: str, directory: str) -> dict:
@@ -315,7 +328,7 @@ def _late_joiner(lighthouse: str, directory: str) -> dict:
     mesh, marks = _mesh(), Path(directory)
     group_id = mesh["replicate"].get_local_rank()
     if group_id == 1:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + hang_timeout(120)
         while not (marks / "step2").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
     model, optimizer = _build_variant(mesh, "shapes", group_id)
@@ -329,8 +342,9 @@ def _late_joiner(lighthouse: str, directory: str) -> dict:
                 return {"error": str(error)}
             finally:
                 (marks / f"joiner{dist.get_rank()}").touch()
-        log, deadline = [], time.monotonic() + 90
-        while time.monotonic() < deadline and not (len(list(marks.glob("joiner*"))) == 2 and log[-1][1]):
+        log, deadline = [], time.monotonic() + hang_timeout(240)
+        joiners = dist.get_world_size() // 2
+        while time.monotonic() < deadline and not (len(list(marks.glob("joiner*"))) == joiners and log[-1][1]):
             step = ft.manager.current_step()
             _one_step(ft, model, step)
             log.append((step, ft.optimizer.committed, ft.manager.num_participants()))
@@ -342,15 +356,16 @@ def _late_joiner(lighthouse: str, directory: str) -> dict:
         ft.shutdown()
 
 
-def test_a_replica_group_joining_with_a_different_model_raises_and_the_others_train_on(tmp_path):
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_a_replica_group_joining_with_a_different_model_raises_and_the_others_train_on(tmp_path, world):
     """A group joining late (it would recover from the others) with a model of other shapes: its ranks raise, at
     the quorum that admits it and before its gradients are averaged in; the training group throws that one step
     away and goes on alone."""
-    with Lighthouse(1, heartbeat_timeout_ms=500) as lighthouse:
-        results = run_on_ranks(4, _late_joiner, lighthouse, str(tmp_path), timeout=180)
-    for joiner in results[2:]:
+    with Lighthouse(1, heartbeat_timeout_ms=1000) as lighthouse:  # the joiner is seen gone after 1 s
+        results = run_on_ranks(world, _late_joiner, lighthouse, str(tmp_path))
+    for joiner in results[world // 2 :]:
         assert "this replica group's model differs from the 1 replica group(s) it joins" in joiner["error"], joiner
-    for trainer in results[:2]:
+    for trainer in results[: world // 2]:
         log = trainer["log"]
         assert [s for s, committed, _ in log if committed] == list(range(len([e for e in log if e[1]]))), log
         assert any(not committed for _, committed, _ in log), log  # the step the joiner left
@@ -358,7 +373,8 @@ def test_a_replica_group_joining_with_a_different_model_raises_and_the_others_tr
 
 
 # ----- a group killed mid-backward, restarted: the example itself ------------------------------------------
-def _run_example(out: Path, *args: str, timeout: float = 300) -> str:
+def _run_example(out: Path, *args: str) -> str:
+    timeout = hang_timeout()
     env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(EXAMPLE), "--out", str(out), "--timeout", str(timeout - 30), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -401,13 +417,15 @@ def _replay(plan: list[tuple[int, list[int]]]) -> dict:
     return {"losses": losses, "shards": ex.shards(model, optimizer)}
 
 
+@pytest.mark.slow  # the example: a lighthouse, 4 + 2 processes
 def test_a_group_killed_mid_backward_and_restarted_ends_bitwise_equal(tmp_path):
     """examples/fault_tolerant.py: group 1's ranks SIGKILL themselves right after step 3's first cross-replica
     all-reduce (one of group 0's three groups already averaged with theirs), the launcher restarts group 1, which
     recovers from group 0. Group 0 throws that attempt away: its final shards and optimizer state equal, bitwise,
     a replay of the steps each group committed (step 3 on group 0's gradients alone), and group 1's equal group
     0's. A half-averaged step committed would fail the replay."""
-    stdout = _run_example(tmp_path, "--kill-at", "3", "--steps", "6")
+    # the lighthouse's default heartbeat time-out: a busy machine cannot make it drop a live group
+    stdout = _run_example(tmp_path, "--kill-at", "3", "--steps", "6", "--heartbeat-timeout-ms", "5000")
     died = re.search(r"replica group 1 died \(exit codes \[(.*)\]\); restarting it", stdout)
     assert died and "-9" in died.group(1), stdout  # the launcher kills a rank still running
     assert "final shards and optimizer state bitwise equal across replica groups: True" in stdout, stdout
@@ -418,7 +436,7 @@ def test_a_group_killed_mid_backward_and_restarted_ends_bitwise_equal(tmp_path):
     plan = [(e["step"], [0, 1] if e["step"] in trained else [0]) for e in first if e["committed"]]
     assert [s for s, _ in plan] == list(range(len(plan))) and plan[3] == (3, [0]), plan
     assert plan[-1][1] == [0, 1] and max(trained) == plan[-1][0], plan
-    replayed = run_on_ranks(4, _replay, plan, timeout=180)
+    replayed = run_on_ranks(4, _replay, plan)
     for group in (0, 1):
         for rank in range(2):
             final = torch.load(tmp_path / f"final.g{group}r{rank}.pt")
@@ -427,6 +445,6 @@ def test_a_group_killed_mid_backward_and_restarted_ends_bitwise_equal(tmp_path):
         run = json.loads((tmp_path / f"log.g0r{rank}.life0.json").read_text())["log"]
         assert [e["loss"] for e in run if e["committed"]] == replayed[rank]["losses"], rank
     # the replay tells the steps apart: step 3 averaged with group 1's gradients ends elsewhere
-    wrong = run_on_ranks(4, _replay, [(s, [0, 1] if s == 3 else g) for s, g in plan], timeout=180)
+    wrong = run_on_ranks(4, _replay, [(s, [0, 1] if s == 3 else g) for s, g in plan])
     final = torch.load(tmp_path / "final.g0r0.pt")
     assert not all(torch.equal(final["params"][n], t) for n, t in wrong[0]["shards"]["params"].items())
