@@ -224,6 +224,7 @@ def _errors(lighthouse: str, unreachable: str) -> dict[str, str]:
         os.environ.pop(name, None)
     attempt("no store", lambda m, o: FaultTolerance(m, o, pg=pg(), lighthouse=lighthouse))
     attempt("a block", lambda m, o: FaultTolerance(m.blocks[0], o, pg=pg(), lighthouse=lighthouse, **common))
+    attempt("manager fails", lambda m, o: FaultTolerance(m, o, pg=pg(), lighthouse=lighthouse, bogus=1, **common))
 
     def block_only(model, _):
         block = model.blocks[0]
@@ -243,9 +244,10 @@ def _errors(lighthouse: str, unreachable: str) -> dict[str, str]:
 
 def test_misconfiguration_is_one_clear_error_on_every_rank():
     """torchft's lighthouse missing or unreachable, a process group that is not torchft's, a bad
-    ``min_replica_size``, no store for the manager, the hook asked for on a block instead of the root (caught at
-    construction when the optimizer steps parameters outside it, else at the first step), parameters replaced
-    after it was built: each rank raises the same ``FaultToleranceError``, and no rank waits on another."""
+    ``min_replica_size``, no store for the manager, ``torchft.Manager`` failing on rank 0 (the others would wait
+    for its server), the hook asked for on a block instead of the root (caught at construction when the optimizer
+    steps parameters outside it, else at the first step), parameters replaced after it was built: each rank
+    raises the same ``FaultToleranceError``, and no rank waits on another."""
     # a short heartbeat time-out: each case's manager leaves, and the next quorum waits until it is seen gone
     with Lighthouse(1, heartbeat_timeout_ms=1000) as lighthouse:
         with __import__("socket").socket() as s:  # a port nothing listens on
@@ -259,6 +261,7 @@ def test_misconfiguration_is_one_clear_error_on_every_rank():
     assert "pg must be a torchft process group" in found["not torchft's pg"], found
     assert "min_replica_size must be a positive int, got 0" in found["min_replica_size"], found
     assert "set MASTER_ADDR and MASTER_PORT" in found["no store"], found
+    assert "torchft.Manager failed on rank 0: TypeError:" in found["manager fails"] and "bogus" in found["manager fails"], found
     assert "the optimizer steps 'inp.weight'" in found["a block"] and "Pass the root module" in found["a block"], found
     message = "the module passed, 'blocks.0' (Block), is not the root of its sharded model, '<root>' (Net) is"
     assert message in found["a block and its optimizer"], found
