@@ -378,7 +378,8 @@ def test_a_replica_group_joining_with_a_different_model_raises_and_the_others_tr
 # ----- a group killed mid-backward, restarted: the example itself ------------------------------------------
 def _run_example(out: Path, *args: str) -> str:
     timeout = hang_timeout()
-    env = dict(os.environ, PYTHONPATH=str(ROOT), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # keeps where torchft is
+    env = dict(os.environ, PYTHONPATH=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
     cmd = [sys.executable, str(EXAMPLE), "--out", str(out), "--timeout", str(timeout - 30), *args]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
