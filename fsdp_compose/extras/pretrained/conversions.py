@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from ... import FSDPModule
 
-from .layout import Layout, Leaf, UnsupportedConversion, full_box, slices
+from .layout import Layout, Leaf, _UnsupportedConversion, full_box, slices
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor
 from .safetensors_file import PretrainedCheckpointError, TensorEntry
@@ -189,7 +189,7 @@ def _convert(converter, first: str, model: nn.Module, members: dict) -> dict[str
     what = f"'{first}' from {_names(members)}"
     try:
         outputs = converter.convert(first, model=model, config=getattr(model, "config", None))
-    except (UnsupportedConversion, AttributeError) as error:
+    except (_UnsupportedConversion, AttributeError) as error:
         raise NotImplementedError(
             f"{what}: transformers converts them with {ops}, which needs the values ({error}); "
             "load_pretrained/save_pretrained move data only (stack, cat, chunk, split, transpose)"

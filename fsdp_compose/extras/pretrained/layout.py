@@ -7,7 +7,7 @@ transformers' conversion operations (``MergeModulelist``, ``Concatenate``, ``Chu
 (``stack``, ``cat``, ``chunk``, ``split``, ``narrow``, ``transpose``, ``squeeze``, ``contiguous``) build a tree
 and move no data. ``pieces(box)`` then says, for a box of the result (a rank's shard), which box of which
 source each part comes from: a rank reads only the sources of its own rows (the experts it holds), or writes
-only the parts of a checkpoint tensor it holds. Any other torch function raises ``UnsupportedConversion``.
+only the parts of a checkpoint tensor it holds. Any other torch function raises ``_UnsupportedConversion``.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 Box = tuple[tuple[int, int], ...]  # (start, size) per dim
 
 
-class UnsupportedConversion(TypeError):
+class _UnsupportedConversion(TypeError):
     """A conversion operation called a torch function a ``Layout`` cannot describe without the values."""
 
 
@@ -136,7 +136,7 @@ class Layout:
         if func in methods:
             layout, *rest = args
             return getattr(layout, methods[func])(*rest, **kwargs)
-        raise UnsupportedConversion(f"torch.{getattr(func, '__name__', func)}")
+        raise _UnsupportedConversion(f"torch.{getattr(func, '__name__', func)}")
 
 
 def _dim(dim: int, ndim: int) -> int:
