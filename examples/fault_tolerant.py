@@ -224,10 +224,22 @@ def launch(args: argparse.Namespace) -> int:
 
         for g in range(GROUPS):
             start(g, 0)
+        port_retries = {g: 3 for g in range(GROUPS)}
         while len(list(out.glob("ready.*"))) < GROUPS * RANKS:
             check_deadline(began, args.timeout, procs)
-            if any(p.exitcode not in (None, 0) for ps in procs.values() for p in ps):
-                raise RuntimeError("a worker died before training began")
+            for g, ps in procs.items():
+                if all(p.exitcode in (None, 0) for p in ps):
+                    continue
+                logs = "".join((out / f"worker.g{g}r{r}.life0.log").read_text() for r in range(RANKS))
+                if "EADDRINUSE" not in logs or not port_retries[g]:  # a free port another process took first: again
+                    raise RuntimeError(f"a worker of replica group {g} died before training began:\n{logs[-3000:]}")
+                port_retries[g] -= 1
+                for p in ps:
+                    p.kill()
+                    p.join()
+                for ready in out.glob(f"ready.g{g}r*"):
+                    ready.unlink()
+                start(g, 0)
             time.sleep(0.05)
         (out / "go").touch()
         print(f"lighthouse at {address}; {GROUPS} replica groups x {RANKS} ranks training", clock(began))
