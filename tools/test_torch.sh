@@ -20,9 +20,11 @@ has_torch() {
 if ! has_torch; then
   rm -rf "$venv"
   python -m venv "$venv"
-  "$venv/bin/pip" install -q "torch==$version" typing_extensions numpy pytest expecttest cloudpickle
+  "$venv/bin/pip" install -q "torch==$version" typing_extensions numpy pytest pytest-xdist expecttest cloudpickle
 fi
 "$venv/bin/pip" install -q --no-deps -e .
+# pytest-xdist (pyproject.toml's addopts use it) also in an environment made before it was a test dependency
+"$venv/bin/python" -c "import xdist" 2>/dev/null || "$venv/bin/pip" install -q pytest-xdist
 # torchft (the ft extra: tests/ecosystem/test_torchft.py) where it installs: --no-deps keeps this torch (torchft
 # declares torch>=2.7 and opentelemetry, which goes in beside it); where it does not, those tests skip
 "$venv/bin/python" -c "import torchft" 2>/dev/null || {

@@ -247,6 +247,7 @@ def test_hsdp_a_rank_differing_off_this_ranks_dims_is_still_seen():
     assert run_on_ranks(4, _hsdp_one_rank_differs, True) == [None] * 4
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_unseeded_thread_ranks_train_in_a_process_of_their_own():
     """torch's own FSDP2 tests run ranks as threads of one process (``threaded_weights_case.py``); run there, in
     a fresh interpreter: the threaded world it tears down left torch 2.11 crashing the next test of this process
@@ -254,7 +255,7 @@ def test_unseeded_thread_ranks_train_in_a_process_of_their_own():
     ('ThreadLocalWorld' object has no attribute 'comms')."""
     case = os.path.join(os.path.dirname(__file__), "threaded_weights_case.py")
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", case],
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", case],
         capture_output=True, text=True, timeout=hang_timeout(),
     )
     assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-3000:] + done.stderr[-3000:]

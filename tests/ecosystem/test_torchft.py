@@ -268,6 +268,7 @@ def test_misconfiguration_is_one_clear_error_on_every_rank():
     assert "the model's sharded parameters were replaced after FaultTolerance was built" in found["replaced after"], found
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_without_torchft_building_it_names_the_extra():
     """The names import without torchft (``fsdp_compose`` exports them); building a ``FaultTolerance`` says how
     to install the extra, before any collective."""

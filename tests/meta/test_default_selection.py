@@ -59,9 +59,10 @@ def default_selection(files: list[str], collected: list) -> list[str]:
 
 
 def test_the_default_run_leaves_out_the_slow_marker_only():
-    """The one mechanism: ``addopts`` deselects ``slow`` (``-m slow`` runs only those, ``-m ''`` all)."""
+    """The one mechanism: ``addopts`` deselects ``slow`` (``-m slow`` runs only those, ``-m ''`` all); its
+    other options only say how the selected tests run (2 worker processes)."""
     options = (REPO / "pyproject.toml").read_text().split("[tool.pytest.ini_options]")[1].split("\n[")[0]
-    assert re.findall(r"^addopts = (.*)$", options, re.M) == ["\"-m 'not slow'\""], options
+    assert re.findall(r"^addopts = (.*)$", options, re.M) == ["\"-m 'not slow' -n 2 --dist loadfile -p no:benchmark\""], options
     assert re.search(r'^    "slow: ', options, re.M), options
 
 

@@ -27,6 +27,7 @@ def _rank():
     return dist.get_rank()
 
 
+@pytest.mark.slow  # kills its pool: the next test starts new workers
 def test_failure_on_one_rank_kills_the_stuck_peer():
     run_on_ranks(2, _rank)  # start the workers first: under load that alone can take seconds
     start = time.monotonic()
@@ -39,6 +40,7 @@ def test_failure_on_one_rank_kills_the_stuck_peer():
     assert run_on_ranks(2, _rank) == [0, 1]  # a fresh pool serves the next test
 
 
+@pytest.mark.slow  # kills its pool: the next test starts new workers
 def test_timeout_kills_workers():
     start = time.monotonic()
     with pytest.raises(RankFailure, match="gave no result within 2s"):
@@ -55,6 +57,7 @@ def _rank_one_dies():
     return "unreachable"
 
 
+@pytest.mark.slow  # kills its pool: the next test starts new workers
 def test_a_dead_rank_is_reported_with_its_exit_code():
     with pytest.raises(RankFailure) as info:
         run_on_ranks(2, _rank_one_dies)

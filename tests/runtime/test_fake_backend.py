@@ -77,9 +77,19 @@ def _check(results: dict, configs: str, world: int, rank: int) -> None:
         assert got["embed_local_rows"] == expected_rows, (config, got)
 
 
+# the default run's case: one configuration of each mechanism (sharding, mixed precision, meshes, offload,
+# recompute, the all-gather extensions)
+SOME = "bf16,no_reshard,hsdp,offload,checkpointed,tp_2d,quantized"
+
+
+def test_some_configurations_train_two_steps_on_fake_tensors():
+    _check(_run(8, SOME, 0), SOME, 8, 0)
+
+
 # rank 0 at 8 ranks; the last rank at 1024, which holds no row of the 64-row embedding (empty shards,
 # padding rows only in its reduce-scatter tables)
-@pytest.mark.parametrize(("world", "rank"), [(8, 0), pytest.param(1024, 1023, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "rank"), [(8, 0), (1024, 1023)])
 def test_every_configuration_trains_two_steps_on_fake_tensors(world, rank):
     _check(_run(world, ALL, rank), ALL, world, rank)
 

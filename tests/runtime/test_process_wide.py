@@ -85,6 +85,7 @@ listed: optimizer_check, exit_drain, pipelining; finder: 0, optimizer hook: 1, e
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_pipelining_imported_first_is_patched_at_once_without_a_finder():
     assert_expected_inline(_run("imported_before"), """\
 listed: optimizer_check, pipelining, exit_drain; finder: 0, optimizer hook: 1, exit handler: 1, pipelining patched: True
@@ -99,6 +100,7 @@ listed: optimizer_check; finder: 0, optimizer hook: 1, exit handler: 0, pipelini
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_optimizer_check_opt_out():
     assert_expected_inline(_run("disable_optimizer_check"), """\
 listed: pipelining_import_hook, exit_drain; finder: 1, optimizer hook: 0, exit handler: 1, pipelining patched: False
@@ -106,6 +108,7 @@ listed: exit_drain, pipelining; finder: 0, optimizer hook: 0, exit handler: 1, p
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_pipelining_opt_out_keeps_the_finder_and_the_patches_out():
     assert_expected_inline(_run("disable_pipelining"), """\
 listed: optimizer_check, exit_drain; finder: 0, optimizer hook: 1, exit handler: 1, pipelining patched: False
@@ -113,6 +116,7 @@ listed: optimizer_check, exit_drain; finder: 0, optimizer hook: 1, exit handler:
 """)
 
 
+@pytest.mark.slow  # a fresh interpreter
 def test_exit_drain_opt_out():
     assert_expected_inline(_run("disable_exit_drain"), """\
 listed: optimizer_check, pipelining_import_hook; finder: 1, optimizer hook: 1, exit handler: 0, pipelining patched: False
