@@ -120,7 +120,8 @@ def train(args: argparse.Namespace) -> None:
     for step in range(start, args.steps):
         profiler = None
         if args.profile and step == profile_step:
-            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            # acc_events=True: torch 2.11 warns without it, even for one cycle
+            profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], acc_events=True)
             profiler.__enter__()
         reset_peak_memory()
         moved = collective_bytes(model)
