@@ -1,7 +1,13 @@
 import pytest
 import torch.distributed as dist
 
+from tests.harness import close_pools
+
 _deselected: list[pytest.Item] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    close_pools()  # here, not only at exit: an xdist worker ends with os._exit, which runs no atexit hook
 
 
 def pytest_deselected(items: list[pytest.Item]) -> None:

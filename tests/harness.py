@@ -50,8 +50,14 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=hang_timeout()))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    parent = os.getppid()
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get(timeout=2.0)
+        except queue.Empty:
+            if os.getppid() != parent:  # the test process is gone without closing the pool (killed, or an
+                os._exit(0)  # xdist worker ending with os._exit): no orphan waits here for ever
+            continue
         if task is None:
             break
         fn, args, kwargs = task
@@ -155,6 +161,8 @@ def run_on_ranks(world_size: int, fn: Callable, *args: Any, timeout: float = DEF
 
 
 @atexit.register
-def _close_pools() -> None:
+def close_pools() -> None:
+    """Stop every pool's workers (at exit, and at the end of a pytest session: conftest.py)."""
     for p in _pools.values():
         p.close()
+    _pools.clear()
