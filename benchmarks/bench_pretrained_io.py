@@ -249,9 +249,9 @@ def _rank_main(rank: int, world: int, port: int, args) -> None:
 
 
 def _bytes(text: str) -> int:
-    from fsdp_compose.extras.pretrained.save import _bytes as parse
-
-    return parse(text)
+    """``1.5GB``, ``300MB``: decimal units, as ``max_shard_size`` reads them."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    return int(float(text[:-2]) * units[text[-2:].upper()])
 
 
 def main() -> None:
