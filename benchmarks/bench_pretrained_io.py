@@ -19,6 +19,7 @@ rank's rows of the written files equal its shard). fp32 parameters, one group pe
 
     python benchmarks/bench_pretrained_io.py                    # ~1.5 GB bf16 checkpoint, 2 and 4 ranks
     python benchmarks/bench_pretrained_io.py --size 60MB --world-sizes 2
+    python benchmarks/bench_pretrained_io.py --size 1.4GB --compare-loads 5 --profile --checkpoint /tmp/llama14
 """
 
 from __future__ import annotations
@@ -133,6 +134,16 @@ def _way_dcp_load(path, config):
     return model
 
 
+def _way_first_touch(path, config):
+    """What any load into a fresh sharded model pays, reading nothing: the model built on meta, sharded,
+    materialized (``to_empty``), and every local tensor written once (the kernel zero-fills each page then)."""
+    model = _meta_model(config)
+    model.to_empty(device="cpu")
+    for tensor in [*model.parameters(), *model.buffers()]:
+        (tensor.to_local() if hasattr(tensor, "to_local") else tensor).detach().zero_()
+    return model
+
+
 def _way_ours_save(model, out):
     from fsdp_compose import save_pretrained
 
@@ -190,6 +201,67 @@ def _measure(fn, *args):
     return result, torch.stack(every)
 
 
+def _compare_loads(rank: int, world: int, path: str, config, rounds: int, profile: bool) -> None:
+    """``load_pretrained``, ``dcp.load(HuggingFaceStorageReader)`` and the first touch (the floor both share) in
+    turn, ``rounds`` times each (alternating, so that a change of the machine's load falls on all); per round the slowest rank's seconds, the largest
+    rank's peak RSS growth and the 1-minute load average; then the medians, their ratio and the RSS bound."""
+    warm = _way_ours_load(path, config)  # imports and first-call costs, outside every measurement
+    del warm
+    _way_dcp_load(path, config)
+    ways = {"ours": _way_ours_load, "dcp": _way_dcp_load, "first touch": _way_first_touch}
+    times: dict[str, list[float]] = {key: [] for key in ways}
+    rss: dict[str, list[float]] = {key: [] for key in ways}
+    loads: list[float] = []
+    exact = True
+    for _ in range(rounds):
+        for key, way in ways.items():
+            loads.append(os.getloadavg()[0])
+            model, stats = _measure(way, path, config)
+            times[key].append(stats[:, 0].max().item())
+            rss[key].append(stats[:, 1].max().item())
+            if key != "first touch":
+                exact &= _shard_exact(model, path)
+            del model
+    if profile:
+        _profile_ours(rank, path, config)
+    if rank == 0:
+        fp32_share = _parameter_count(config) * 4 / world / MiB
+        bound = 1.2 * fp32_share + 64
+        median = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"\n{world} ranks, {rounds} rounds (fp32 model / N = {fp32_share:,.0f} MiB; RSS bound 1.2x + 64 = {bound:,.0f} MiB); "
+              f"load average {min(loads):.1f} to {max(loads):.1f}:")
+        for key in times:
+            print(f"  {key}: seconds {', '.join(f'{t:.2f}' for t in times[key])} (median {median[key]:.2f}); "
+                  f"RSS growth MiB {', '.join(f'{r:,.0f}' for r in rss[key])}")
+        print(f"  ours / dcp (medians): {median['ours'] / median['dcp']:.2f}x; exact: {exact}; the best any loader "
+              f"could do against this dcp, reading in no time: first touch / dcp = {median['first touch'] / median['dcp']:.2f}x")
+        sys.stdout.flush()
+
+
+def _parameter_count(config) -> int:
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def _profile_ours(rank: int, path: str, config) -> None:
+    """One ``load_pretrained`` under cProfile on every rank; rank 0 prints what took its time."""
+    import cProfile
+    import pstats
+
+    dist.barrier()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    _way_ours_load(path, config)
+    profiler.disable()
+    dist.barrier()
+    if rank == 0:
+        print("\nrank 0's load_pretrained, by own time:")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        sys.stdout.flush()
+
+
 def _rank_main(rank: int, world: int, port: int, args) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
@@ -199,6 +271,11 @@ def _rank_main(rank: int, world: int, port: int, args) -> None:
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     config = _llama_config(args.size)
+    if args.compare_loads:
+        _compare_loads(rank, world, args.path, config, args.compare_loads, args.profile)
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     loads = [
         ("load_pretrained (ours)", _way_ours_load, ""),
         ("from_pretrained on every rank + fully_shard", _way_every_rank, " (mmap)"),
@@ -249,15 +326,19 @@ def _rank_main(rank: int, world: int, port: int, args) -> None:
 
 
 def _bytes(text: str) -> int:
-    from fsdp_compose.extras.pretrained.save import _bytes as parse
-
-    return parse(text)
+    """``1.5GB``, ``300MB``: decimal units, as ``max_shard_size`` reads them."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9}
+    return int(float(text[:-2]) * units[text[-2:].upper()])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1.5GB", help="bf16 checkpoint size, e.g. 1.5GB, 60MB")
     parser.add_argument("--world-sizes", default="2,4")
+    parser.add_argument("--compare-loads", type=int, default=0, metavar="ROUNDS",
+                        help="only load_pretrained against dcp.load(HuggingFaceStorageReader), ROUNDS times each; medians")
+    parser.add_argument("--profile", action="store_true", help="with --compare-loads: one load of ours under cProfile")
+    parser.add_argument("--checkpoint", help="keep the checkpoint in this directory and reuse it (made there if missing)")
     args = parser.parse_args()
     args.size = _bytes(args.size)
     import torch.multiprocessing as mp
@@ -268,10 +349,11 @@ def main() -> None:
 
     transformers.logging.set_verbosity_error()
     args.scratch = tempfile.mkdtemp(prefix="bench_pretrained_io_")
-    args.path = os.path.join(args.scratch, "checkpoint")
+    args.path = args.checkpoint or os.path.join(args.scratch, "checkpoint")
     config = _llama_config(args.size)
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(args.path, max_shard_size="400MB")
+    if not os.path.exists(os.path.join(args.path, "config.json")):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(args.path, max_shard_size="400MB")
     files = [f for f in os.listdir(args.path) if f.endswith(".safetensors")]
     size = sum(os.path.getsize(os.path.join(args.path, f)) for f in files)
     print(f"checkpoint: Llama, {config.num_hidden_layers} layers, hidden {config.hidden_size}, "

@@ -27,6 +27,7 @@ def reset_backward(state: GroupState) -> None:
     """The group's backward bookkeeping back to the start of a step."""
     state.phase = IDLE
     state.inputs_pending = 0
+    state.nested_pending = 0
     state.grads_ready.clear()
 
 
@@ -172,6 +173,7 @@ def begin_step(root: RootState) -> None:
     """At the root's forward: finish the reductions a non-last backward left in flight, and wait for the
     events ``set_post_optim_event`` gave (each once: the next step needs a new one)."""
     wait_all_reductions(root)
+    root.open_calls.clear()  # a forward that raised left its call open
     for state in root.states:
         event = state.settings.post_optim_event
         if event is not None:  # gather only after the optimizer step

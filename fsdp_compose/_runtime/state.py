@@ -54,6 +54,9 @@ class GroupState:
     # per step, reset by the root's end-of-backward callback
     phase: StepPhase = IDLE
     inputs_pending: int = 0  # forward uses whose inputs' gradients backward has not reached yet
+    # grad-requiring outputs of groups called inside this one's forward whose gradients backward has not
+    # completed: until then this group's own nodes that consume them still need its weights
+    nested_pending: int = 0
     grads_ready: set[int] = field(default_factory=set)
     # gathered while a gradient-only backward created a graph (hooks/backward.py): that graph holds the
     # unsharded parameters, so they stay until the step's backward ends
@@ -102,6 +105,8 @@ class RootState:
     forward_order: dict[GroupState, None] = field(default_factory=dict)  # first calls, in order
     post_forward_order: list[GroupState] = field(default_factory=list)
     post_forward_index: dict[GroupState, int] = field(default_factory=dict)  # position in post_forward_order
+    # the calls (first states) whose forward runs now, outermost first: a call's outputs count for the one below
+    open_calls: list[GroupState] = field(default_factory=list)
     reference_forward_order: list[GroupState] | None = None
     reference_index: dict[GroupState, int] = field(default_factory=dict)
     reference_final: bool = False  # the first step ended: later steps are compared with its order

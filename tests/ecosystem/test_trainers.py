@@ -360,7 +360,7 @@ def test_hf_trainer_save_model_reloads_with_from_pretrained(tmp_path) -> None:
 # --- peft LoRA: frozen base weights and trainable adapters in the same groups --------------------------------------
 
 
-def _peft_lora_run(impl: str) -> dict:
+def _peft_lora_run(impl: str, modules_to_save: list[str] | None = None) -> dict:
     from peft import LoraConfig, get_peft_model
 
     fully_shard, _ = _implementation(impl)
@@ -368,7 +368,8 @@ def _peft_lora_run(impl: str) -> dict:
     torch.manual_seed(0)
     base = TinyLM()
     # init_lora_weights=False: lora_B random too (peft's default zeros it), so every adapter gets gradients from step 0
-    model = get_peft_model(base, LoraConfig(r=4, target_modules=["fc1", "fc2"], init_lora_weights=False))
+    config = LoraConfig(r=4, target_modules=["fc1", "fc2"], init_lora_weights=False, modules_to_save=modules_to_save)
+    model = get_peft_model(base, config)
     reference = copy.deepcopy(model)
     frozen_before = {name: p.detach().clone() for name, p in model.named_parameters() if not p.requires_grad}
     for block in model.base_model.model.blocks:
@@ -412,6 +413,18 @@ def test_peft_lora_trains_like_torch_fsdp2() -> None:
     for r in runs["ours"]:
         assert len(r["trainable"]) == 12 and all(".lora_" in name for name in r["trainable"]), r["trainable"]
         assert r["frozen"] == len(list(TinyLM().parameters())) and r["base_unchanged"]  # every base weight, untouched
+        assert max(abs(a - b) for a, b in zip(r["mean_losses"], r["ref_losses"])) <= 1e-5, r
+        assert r["param_diff"] <= 1e-5, r["param_diff"]
+    assert_bit_for_bit(runs["torch"], runs["ours"])
+
+
+def test_peft_lora_with_trainable_head_trains_like_torch_fsdp2() -> None:
+    """``modules_to_save=["head"]``: the root's only trainable parameters are the head's copy, whose gradient
+    comes before the frozen final norm's backward (this used to segfault: tests/runtime/test_nested_outputs.py)."""
+    pytest.importorskip("peft")
+    runs = {impl: run_on_ranks(WORLD, _peft_lora_run, impl, ["head"]) for impl in IMPLS}
+    for r in runs["ours"]:
+        assert sum("modules_to_save" in name for name in r["trainable"]) == 2, r["trainable"]  # the copy's weight, bias
         assert max(abs(a - b) for a, b in zip(r["mean_losses"], r["ref_losses"])) <= 1e-5, r
         assert r["param_diff"] <= 1e-5, r["param_diff"]
     assert_bit_for_bit(runs["torch"], runs["ours"])

@@ -1,8 +1,9 @@
 """Backward hooks: pre-backward on forward outputs, post-backward per group, the root's final callback.
 
-A group's post-backward runs once every trainable parameter's gradient was accumulated and every
-forward call's grad-requiring inputs got theirs (``forward.py``'s identity tells it): then no node
-still needs the unsharded weights, frozen ones included. The end of backward finishes the rest.
+A group's post-backward runs once every trainable parameter's gradient was accumulated, every
+forward call's grad-requiring inputs got theirs (``forward.py``'s identity tells it) and so did the
+outputs of the calls nested in its forward ([Note: nested outputs]): then no node still needs the
+unsharded weights, frozen ones included. The end of backward finishes the rest.
 """
 
 from __future__ import annotations
@@ -108,8 +109,9 @@ def inputs_done_hook(state: GroupState, *_grads) -> None:
     maybe_post_backward(state)
 
 
-def pre_backward(state: GroupState, _grads=None) -> None:
-    """The pre-hook ``forward.register_pre_backward`` puts on an output's node (or leaf)."""
+def pre_backward(state: GroupState, enclosing: GroupState | None = None, _grads=None) -> None:
+    """The pre-hook ``forward.register_pre_backward`` puts on an output's node (or leaf); ``enclosing``: the
+    call whose forward made this call, whose nodes consuming the output have all run now."""
     root = state.root
     first = root.phase != IN_BACKWARD  # the backward's first hook (the checks below return at once after it)
     if root.graph_only or (first and begin_graph_only(root, state)):  # only the data, for the graph being created
@@ -117,6 +119,10 @@ def pre_backward(state: GroupState, _grads=None) -> None:
         return
     if first:
         queue_end_of_backward(root)
+    if enclosing is not None:
+        for s in enclosing.call_states:
+            s.nested_pending -= 1
+            maybe_post_backward(s)
     if state.phase >= PRE_BACKWARD:  # a later output of the same call: nothing more to do
         return
     state.phase = PRE_BACKWARD
@@ -147,8 +153,9 @@ def on_grad_accumulated(state: GroupState, index: int, _param=None) -> None:
 
 
 def maybe_post_backward(state: GroupState) -> None:
-    """Post-backward once every use's inputs and every trainable parameter got their gradients."""
-    waiting = state.phase == POST_BACKWARD or state.inputs_pending > 0
+    """Post-backward once every use's inputs, every nested call's outputs and every trainable parameter got
+    their gradients."""
+    waiting = state.phase == POST_BACKWARD or state.inputs_pending > 0 or state.nested_pending > 0
     if not waiting and len(state.grads_ready) >= len(state.group.trainable):
         post_backward(state)
 

@@ -163,7 +163,29 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
         if state.phase == IDLE:
             state.phase = FORWARD
         args, kwargs = attach_post_backward_signal(state, args, kwargs)
+        if state.primary is None:  # a call is entered once, by its first state
+            root.open_calls.append(state)
     return args, kwargs
+
+
+# [Note: nested outputs]
+# A group's own nodes may consume tensors that are neither its inputs nor made from its trainable
+# parameters: the outputs of groups called inside its forward (the root's final norm reads the last
+# block's output). Its trainable parameters' gradients can all be ready before those nodes run (a peft
+# ``modules_to_save`` head at the root: the head's copy accumulates first, then the norm's backward reads
+# the norm's weight). So each grad-requiring output of a call made inside another call's forward counts
+# for the enclosing call until the output's node runs, i.e. until every node consuming it has run.
+
+
+def leave_forward(root: RootState, state: GroupState) -> GroupState | None:
+    """Close ``state``'s call; the call whose forward encloses it, whose nodes consume its outputs (None
+    at the outermost call, and for a companion state: its first state counts the outputs once)."""
+    if state.primary is not None:
+        return None
+    calls = root.open_calls
+    if calls and calls[-1] is state:
+        calls.pop()
+    return calls[-1] if calls else None
 
 
 def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any) -> Any:
@@ -172,6 +194,7 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
         output = cast_floating(output, state.settings.mp_policy.output_dtype)
     if root.phase == IN_BACKWARD:
         return output
+    enclosing = leave_forward(root, state)
     if not torch.is_grad_enabled():
         # no backward will follow: free everything, prefetched groups included at the root
         for s in root.states if state.is_root else [state]:
@@ -183,35 +206,39 @@ def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any)
         state.group.reshard(after_forward=True)
     if type(output) is torch.Tensor:  # the usual output: no generator
         if output.requires_grad:
-            register_pre_backward(output, state)
+            register_pre_backward(output, state, enclosing)
         elif transforms_active():
-            register_pre_backward_outside_transforms(output, state)
+            register_pre_backward_outside_transforms(output, state, enclosing)
         return output
     for x in output_tensors(output):
         if x.requires_grad:
-            register_pre_backward(x, state)
+            register_pre_backward(x, state, enclosing)
         elif transforms_active():
-            register_pre_backward_outside_transforms(x, state)
+            register_pre_backward_outside_transforms(x, state, enclosing)
     return output
 
 
-def register_pre_backward(x: torch.Tensor, state: GroupState) -> None:
-    """Run ``pre_backward(state)`` when backward reaches ``x``: a pre-hook on ``x``'s node (one C++ call,
-    where ``Tensor.register_hook`` runs a page of Python), or on a leaf the tensor hook."""
+def register_pre_backward(x: torch.Tensor, state: GroupState, enclosing: GroupState | None = None) -> None:
+    """Run ``pre_backward(state, enclosing)`` when backward reaches ``x``: a pre-hook on ``x``'s node (one C++
+    call, where ``Tensor.register_hook`` runs a page of Python), or on a leaf the tensor hook. ``x`` counts for
+    ``enclosing`` until then (see [Note: nested outputs])."""
     node = x.grad_fn
-    hook = partial(pre_backward, state)  # a partial: backward runs no function of this file
+    hook = partial(pre_backward, state, enclosing)  # a partial: backward runs no function of this file
     if node is not None:
         node.register_prehook(hook)
     else:
         x.register_hook(hook)
+    if enclosing is not None:
+        for s in enclosing.call_states:
+            s.nested_pending += 1
 
 
-def register_pre_backward_outside_transforms(x: torch.Tensor, state: GroupState) -> None:
+def register_pre_backward_outside_transforms(x: torch.Tensor, state: GroupState, enclosing: GroupState | None) -> None:
     """Inside ``torch.func.jvp`` or ``vmap`` an output reports ``requires_grad=False``; the tensor it wraps in the
     outer graph gets the pre-backward hook (``_torch_workarounds/functorch.py``)."""
     outer = outside_transforms_tensor(x)
     if outer is not None and outer.requires_grad:
-        register_pre_backward(outer, state)
+        register_pre_backward(outer, state, enclosing)
 
 
 # ----- keeping torch.compile (dynamo) out of a sharded module's call and fully_shard's hooks -----------

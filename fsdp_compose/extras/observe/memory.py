@@ -6,8 +6,9 @@ all-gather output and its unsharded parameters coexist during copy-out, and its 
 targets are issued only after that copy-out; prefetched gathers are in flight while a group
 computes; non-root groups free after forward (keeping a slice under
 ``reshard_after_forward=<int>``); backward re-gathers in reverse post-forward order; a finished
-group frees its unsharded parameters, then builds the reduce-scatter input (the unsharded
-gradients die once it is built), then allocates the output;
+group (its trainable parameters' gradients and the outputs of the calls nested in its forward done)
+frees its unsharded parameters, then builds the reduce-scatter input (the unsharded gradients die
+once it is built), then allocates the output;
 at most ``reduce_limit`` reductions stay in flight (their inputs too, unless the backend copies
 them, as gloo does). Activations are not modelled.
 It describes a step after the first (the first records the order and prefetches no forward
@@ -157,6 +158,7 @@ def replay(
 
     # ----- forward ------------------------------------------------------------------------
     open_calls: list[Call] = []
+    nested_ends: dict[GroupHandle, list[int]] = {}  # where backward has consumed the outputs of calls nested in a group's
 
     def post_forward(call: Call) -> None:
         s = call.state
@@ -168,6 +170,8 @@ def replay(
         while open_calls and open_calls[-1].end < call.start:
             post_forward(open_calls.pop())
         s = call.state
+        if open_calls and open_calls[-1].state is not s:
+            nested_ends.setdefault(open_calls[-1].state, []).append(call.end)
         unshard_with_prefetch(s, schedules[s].before_forward(s), f"forward {names[s]}")
         open_calls.append(call)
     while open_calls:
@@ -181,7 +185,8 @@ def replay(
     for s in sizes:
         positions = [param_pos[id(p.parameter)] for p in facts[s].trainable]
         starts = [c.start for c in calls if c.state is s]
-        done_at[s] = min(positions) if positions else min(starts, default=0)
+        # a group with trainable parameters also waits for the outputs of the calls nested in its forward
+        done_at[s] = min(positions + nested_ends.get(s, [])) if positions else min(starts, default=0)
 
     def pre_backward(s: GroupHandle) -> None:
         if s in pre_done:

@@ -92,7 +92,7 @@ def remember_conversions(model: nn.Module, layout: CheckpointLayout) -> None:
 
 def read_fused(local: torch.Tensor, region: Region, fused: Fused, read_into: Callable) -> int:
     """Read the checkpoint tensors' parts of ``region`` into ``local`` (this rank's part); bytes read.
-    ``read_into(tensor, entry, region)`` is ``load.py``'s reader: ``region`` of ``entry`` into ``tensor``."""
+    ``read_into(tensor, entry, region)`` is ``region_reader.py``'s: ``region`` of ``entry`` into ``tensor``."""
     nbytes = 0
     for piece in fused.made_of.pieces(region.box):
         entry = fused.entries[piece.source]

@@ -23,14 +23,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from ...extras_api import raise_together, reshard_idle
-from ..checkpoint.files import FileRefused
 from . import peft
-from .checkpoint_dir import open_checkpoint, refused
+from .checkpoint_dir import open_checkpoint
 from .conversions import CheckpointLayout, Fused, from_checkpoint_layout, read_fused, remember_conversions
 from .initialize import InitJob, initializer, module_jobs, run_jobs, unsupported
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors, non_persistent_buffers
 from .progress import progress_bar
+from .region_reader import RegionReader
 from .safetensors_file import PretrainedCheckpointError, TensorEntry
 
 KeyMap = Callable[[str], "str | None"] | Mapping[str, str]
@@ -133,17 +133,17 @@ def _read_all(model: nn.Module, plan: _Plan, init_buffers, progress: bool) -> in
     _materialize(model, plan.rebuild, init_buffers)
     run_jobs(model, plan.inits)  # before the reads: a job writes whole modules, loaded tensors included
     now = {t.names[0]: t.tensor for t in checkpoint_tensors(model)}  # to_empty may have swapped tensors
-    bytes_read, error = 0, None
+    bytes_read, error, reader = 0, None, RegionReader()
     mine = sum(n for _, entry, region in plan.loads for *_, n in region.runs(entry.dtype.itemsize))
     mine += sum(_nbytes(fused) for _, fused, _ in plan.fused)  # fused experts: their sources' bytes, a bound
     with progress_bar(mine, "load_pretrained", enabled=progress) as bar:
         try:
             for name, entry, region in plan.loads:
-                n = _read_into(_local(now[name]), entry, region)
+                n = reader.read_into(_local(now[name]), entry, region)
                 bytes_read += n
                 bar.update(n)
             for name, fused, region in plan.fused:  # conversions: read only the sources of this rank's rows
-                bytes_read += read_fused(_local(now[name]), region, fused, _read_into)
+                bytes_read += read_fused(_local(now[name]), region, fused, reader.read_into)
                 bar.update(_nbytes(fused))
         except PretrainedCheckpointError as failure:
             error = f"{failure}; the model holds part of the checkpoint: load it again"
@@ -270,23 +270,3 @@ def _shard_device(tensors: list[torch.Tensor]) -> torch.device:
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def _read_into(local: torch.Tensor, entry: TensorEntry, region: Region) -> int:
-    """Read ``region`` of ``entry`` into ``local`` (this rank's part, converted to its dtype); bytes read."""
-    runs = region.runs(entry.dtype.itemsize)
-    nbytes = sum(n for _, _, n in runs)
-    if not nbytes:
-        return 0
-    direct = local.dtype == entry.dtype and local.device.type == "cpu" and local.is_contiguous()
-    buffer = local.detach().view(-1).view(torch.uint8) if direct else torch.empty(nbytes, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
-    try:
-        for in_tensor, in_buffer, n in runs:  # from the descriptor the checks opened, never by name again
-            entry.source.read_into(view[in_buffer : in_buffer + n], entry.begin + in_tensor)
-    except (FileRefused, OSError) as error:
-        raise refused(error, entry.file) from None
-    if not direct:
-        local.copy_(buffer.view(entry.dtype).view(region.local_shape))
-    return nbytes
-

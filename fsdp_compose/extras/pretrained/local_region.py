@@ -3,18 +3,22 @@
 A parameter sharded by ``fully_shard`` is a DTensor: on each mesh dim a ``Shard(d)`` splits tensor dim ``d``
 into the runtime's rows (``row_layout``: ``torch.chunk``'s, as DTensor cuts them, tail ranks short or empty).
 A ``_StridedShard(d)`` (FSDP on top of a tensor-parallel split of the same dim) splits the rows the other mesh
-dims left this rank, so it is applied after them. The result is a box, ``(start, size)`` per tensor dim; in the
-row-major bytes of a safetensors file it is a few contiguous runs (one for ``Shard(0)``).
+dims left this rank, so it is applied after them. The result is a box, ``(start, size)`` per tensor dim, as
+DTensor's own ``compute_local_shape_and_global_offset`` gives it (``our_box`` where a torch lacks that private
+function); in the row-major bytes of a safetensors file it is a few contiguous runs (one for ``Shard(0)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import math
+from collections.abc import Callable, Sequence
 
 import torch
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.placement_types import Placement
 
 from ...extras_api import row_layout
 
@@ -50,6 +54,27 @@ class Region:
         return runs
 
 
+def _detect_dtensor_box() -> Callable | None:
+    """DTensor's own ``compute_local_shape_and_global_offset(global_shape, mesh, placements)`` (private: torch 2.11 to
+    2.14.1 have it with these parameters), or None where this torch lacks it or calls it otherwise."""
+    try:
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    except ImportError:
+        return None
+    try:
+        parameters = list(inspect.signature(compute_local_shape_and_global_offset).parameters)
+    except (TypeError, ValueError):
+        return None
+    return compute_local_shape_and_global_offset if parameters[:3] == ["global_shape", "mesh", "placements"] else None
+
+
+# detected once, at import; the box falls back to ``our_box`` without it (tests/extras/pretrained/test_boxes.py
+# checks the two agree, on every supported torch). Not for a _StridedShard (FSDP on TP's split of the same dim):
+# there ``fully_shard`` cuts TP's uneven rows as ``torch.chunk`` does (7 rows, TP 2, FSDP 3: 2, 2, 0 of TP's 4),
+# and DTensor's function gives other sizes (1 row to the third FSDP rank), which the local tensor does not have
+DTENSOR_BOX: Callable | None = _detect_dtensor_box()
+
+
 def region_of(tensor: torch.Tensor, name: str) -> Region:
     """This rank's region of ``tensor`` (a DTensor's local part, or all of a plain tensor)."""
     shape = tuple(tensor.shape)
@@ -59,22 +84,26 @@ def region_of(tensor: torch.Tensor, name: str) -> Region:
     coordinate = mesh.get_coordinate()
     if coordinate is None:  # this rank holds none of it
         return Region(shape, tuple((0, 0) for _ in shape), writer=False)
-    box = [(0, s) for s in shape]
     writer = True
-    strided = []
+    sharded: set[int] = set()
     for mesh_dim, placement in enumerate(placements):
         if placement.is_replicate():
             writer = writer and coordinate[mesh_dim] == 0
         elif placement.is_partial():
             raise ValueError(f"'{name}' is a Partial DTensor: it has no values to load into or save; redistribute it first")
-        elif hasattr(placement, "split_factor"):  # _StridedShard: splits what the other dims left
-            strided.append(mesh_dim)
+        elif hasattr(placement, "split_factor") and placement.dim in sharded:
+            raise NotImplementedError(  # its rows interleave: no box holds them
+                f"'{name}': placements {placements} split dim {placement.dim} by a _StridedShard after another mesh dim "
+                "did; a layout load_pretrained/save_pretrained do not know"
+            )
         else:
-            box[placement.dim] = _rows(box[placement.dim], mesh.size(mesh_dim), coordinate[mesh_dim])
-    for mesh_dim in reversed(strided):
-        dim = placements[mesh_dim].dim
-        box[dim] = _rows(box[dim], mesh.size(mesh_dim), coordinate[mesh_dim])
-    region = Region(shape, tuple(box), writer)
+            sharded.add(placement.dim)
+    if DTENSOR_BOX is not None and not any(hasattr(p, "split_factor") for p in placements):
+        local_shape, offset = DTENSOR_BOX(shape, mesh, placements)
+        box = tuple(zip(offset, local_shape))
+    else:
+        box = our_box(shape, tuple(mesh.shape), tuple(coordinate), placements)
+    region = Region(shape, box, writer)
     local = tuple(tensor.to_local().shape)
     if region.local_shape != local:
         raise NotImplementedError(
@@ -82,6 +111,25 @@ def region_of(tensor: torch.Tensor, name: str) -> Region:
             f"give {region.local_shape}; a layout load_pretrained/save_pretrained do not know"
         )
     return region
+
+
+def our_box(
+    shape: tuple[int, ...], mesh_shape: tuple[int, ...], coordinate: tuple[int, ...], placements: Sequence[Placement]
+) -> tuple[tuple[int, int], ...]:
+    """The box of the rank at ``coordinate``: each ``Shard(d)`` cuts dim ``d`` into ``fully_shard``'s rows, left to
+    right; a ``_StridedShard(d)`` (FSDP on top of TP's split of the same dim) cuts the rows the other mesh dims
+    left, so it is applied after them. Where ``DTENSOR_BOX`` is missing, and the reference it is tested against."""
+    box = [(0, s) for s in shape]
+    strided = []
+    for mesh_dim, placement in enumerate(placements):
+        if hasattr(placement, "split_factor"):
+            strided.append(mesh_dim)
+        elif not placement.is_replicate() and not placement.is_partial():
+            box[placement.dim] = _rows(box[placement.dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+    for mesh_dim in reversed(strided):
+        dim = placements[mesh_dim].dim
+        box[dim] = _rows(box[dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+    return tuple(box)
 
 
 def _rows(span: tuple[int, int], ways: int, index: int) -> tuple[int, int]:

@@ -17,7 +17,6 @@ import copy
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import Callable
 
@@ -31,6 +30,7 @@ from ...extras_api import reshard_idle, user_class
 from . import peft
 from .checkpoint_dir import INDEX_NAME, SINGLE_NAME
 from .conversions import ConvertedTensor, to_checkpoint_layout
+from .file_split import split_into_files
 from .local_region import Region, region_of
 from .model_tensors import ModelTensor, checkpoint_tensors
 from .progress import progress_bar
@@ -38,9 +38,6 @@ from .safetensors_file import NAMES, header_bytes
 from .save_dir import SaveDir, attempt, pwrite_all
 
 logger = logging.getLogger(__name__)
-
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
 
 @torch.no_grad()
 def save_pretrained(
@@ -92,7 +89,7 @@ def save_pretrained(
     if merge_adapters:
         tensors = peft.merged_tensors(model, peft.split(model, tensors)[0])
     tensors = to_checkpoint_layout(model, tensors)  # conversions: the names and layout transformers writes
-    files = _split(tensors, _bytes(max_shard_size))
+    files = split_into_files(tensors, max_shard_size)  # as transformers cuts them (huggingface_hub's splitter)
     names = [SINGLE_NAME] if len(files) == 1 else [f"model-{i + 1:05d}-of-{len(files):05d}.safetensors" for i in range(len(files))]
     total = sum(t.tensor.numel() * t.tensor.dtype.itemsize for t in tensors)
 
@@ -218,29 +215,6 @@ def _write_whole(
         if fd is not None:
             os.close(fd)
     return failure
-
-
-def _split(tensors: list[ModelTensor], limit: int) -> list[list[ModelTensor]]:
-    """Tensors in order, cut into files of at most ``limit`` bytes (a larger tensor alone in its file)."""
-    files: list[list[ModelTensor]] = [[]]
-    size = 0
-    for target in tensors:
-        nbytes = target.tensor.numel() * target.tensor.dtype.itemsize
-        if files[-1] and size + nbytes > limit:
-            files.append([])
-            size = 0
-        files[-1].append(target)
-        size += nbytes
-    return files
-
-
-def _bytes(size: int | str) -> int:
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", size.upper())
-    if not match:
-        raise ValueError(f"save_pretrained: max_shard_size {size!r} is not a size such as 5GB, 500MB or 2GiB")
-    return int(float(match.group(1)) * _UNITS[match.group(2) or ""])
 
 
 def _write_index(out: SaveDir, names: list[str], files: list[list[ModelTensor]], total: int) -> None:

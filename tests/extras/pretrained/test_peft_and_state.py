@@ -178,27 +178,31 @@ def test_meta_built_peft_model_gets_base_weights_and_peft_initialized_adapters(t
 
 
 def _modules_to_save(ckpt: str, out: str) -> dict:
-    """``modules_to_save``: the base load fills the original and the copy; the copy, changed, is what the adapter
-    file holds and what a merged save writes under the base name (no backward here: see the report)."""
-    from peft import PeftModel
+    """``modules_to_save``: the base load fills the original and the copy; trained (the root's only trainable
+    parameter is then the copy, whose gradient comes before the frozen norm's backward), the losses are the
+    unsharded peft model's; the copy is what the adapter file holds and what a merged save writes under the base
+    name."""
+    from peft import PeftModel, get_peft_model
     from transformers import AutoModelForCausalLM
 
     from fsdp_compose import load_pretrained, save_pretrained
 
     _base_checkpoint(ckpt)
-    model, _ = _peft_model(modules_to_save=["lm_head"])
+    model, peft_init = _peft_model(modules_to_save=["lm_head"])
     load_pretrained(model, ckpt)
     head = model.get_base_model().lm_head
     loaded = torch.equal(head.original_module.weight.full_tensor(), head.modules_to_save.default.weight.full_tensor())
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(ckpt), _lora(modules_to_save=["lm_head"]))
     with torch.no_grad():
-        head.modules_to_save.default.weight.to_local().mul_(2)  # as if trained
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.to_local().fill_(0.01)
+        for name, p in reference.named_parameters():
+            if name in peft_init:
+                p.copy_(peft_init[name])
+    losses, ref_losses = _train_against(model, reference, steps=3)
+    with torch.no_grad():
         logits = model(input_ids=_prompt()).logits
     save_pretrained(model, os.path.join(out, "adapter"))
     save_pretrained(model, os.path.join(out, "merged"), merge_adapters=True)
-    report = {"loaded": loaded}
+    report = {"loaded": loaded, "losses": losses, "ref_losses": ref_losses}
     if dist.get_rank() == 0:
         reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(ckpt), os.path.join(out, "adapter"))
         with torch.no_grad():
@@ -210,10 +214,35 @@ def _modules_to_save(ckpt: str, out: str) -> dict:
     return report
 
 
-def test_modules_to_save_load_save_and_merge(tmp_path) -> None:
+def _train_against(model: nn.Module, reference: nn.Module, steps: int) -> tuple[list[float], list[float]]:
+    """SGD steps: the sharded model on this rank's half of each batch, the unsharded one on the whole batch;
+    the mean of the ranks' losses and the reference's, per step."""
+    rank = dist.get_rank()
+    optimizers = [torch.optim.SGD([p for p in m.parameters() if p.requires_grad], lr=0.5) for m in (model, reference)]
+    losses, ref_losses = [], []
+    for step in range(steps):
+        ids = torch.randint(0, 64, (2 * WORLD, 8), generator=torch.Generator().manual_seed(100 + step))
+        loss = model(input_ids=ids[2 * rank : 2 * rank + 2], labels=ids[2 * rank : 2 * rank + 2]).loss
+        loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / WORLD)
+        ref_loss = reference(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        ref_losses.append(ref_loss.item())
+        for optimizer in optimizers:
+            optimizer.step()
+            optimizer.zero_grad()
+    return losses, ref_losses
+
+
+def test_modules_to_save_trains_like_unsharded_peft_then_saves_and_merges(tmp_path) -> None:
     pytest.importorskip("peft")
     results = run_on_ranks(WORLD, _modules_to_save, str(tmp_path / "base"), str(tmp_path / "out"), timeout=TIMEOUT_S)
     assert all(r["loaded"] for r in results), results
+    for r in results:
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["ref_losses"])) <= 1e-5, r
+        assert r["losses"][0] != r["losses"][-1], r  # it trained
     assert results[0]["logits_equal"] and results[0]["merged_equal"], results[0]
 
 
