@@ -96,9 +96,18 @@ def _phase_of(timeline: CollectiveTimeline, event: int) -> str:
     return found
 
 
-def measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, hold_reduce_inputs: bool) -> dict:
-    """One step under a ``CollectiveTimeline``: the peak, its bytes by category, the traffic."""
-    timeline = CollectiveTimeline(hold_reduce_inputs, inherited=frozenset({UNSHARDED_GRADIENTS}))
+def measured_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn,
+    hold_reduce_inputs: bool,
+    timeline: CollectiveTimeline | None = None,
+) -> dict:
+    """One step under a ``CollectiveTimeline``: the peak, its bytes by category, the traffic.
+
+    ``timeline``: a fresh one to count with, for a caller that reads more of it afterwards (``plan``)."""
+    if timeline is None:
+        timeline = CollectiveTimeline(hold_reduce_inputs, inherited=frozenset({UNSHARDED_GRADIENTS}))
     timeline.label(list(model.parameters()) + list(model.buffers()), PARAMETERS)
     timeline.label(_optimizer_tensors(optimizer), OPTIMIZER_STATE)
     handles = []

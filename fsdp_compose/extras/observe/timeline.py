@@ -76,12 +76,12 @@ class StorageTimeline(StorageTracker):
                 out[category] = out.get(category, 0) + size
         return out
 
-    def peak_without(self, category: str) -> tuple[int, int]:
-        """(bytes, event) of the largest sum of the storages not in ``category`` over the run."""
+    def peak_without(self, *categories: str) -> tuple[int, int]:
+        """(bytes, event) of the largest sum of the storages in none of ``categories`` over the run."""
         changes: dict[int, int] = {}
         segments = self._segments + [(start, None, size, serial) for serial, (start, size) in self._opened.items()]
         for start, end, size, serial in segments:
-            if size and self.labels.get(serial, UNLABELLED) != category:
+            if size and self.labels.get(serial, UNLABELLED) not in categories:
                 changes[start] = changes.get(start, 0) + size
                 if end is not None:
                     changes[end] = changes.get(end, 0) - size
