@@ -2,8 +2,8 @@
 
 Run as ``python -m fsdp_compose.extras.plan.plan_step SPEC OUT``, like ``estimate``'s fake step (rank 0
 of ``world_size`` on torch's fake process group and fake tensors: rank 0 holds the largest shards).
-Everything happens in this one process, so an interpreter starts once: the "units" grouping is
-measured with every unit checkpointed and with none, each finer or coarser grouping with none,
+Everything happens in this one process, so an interpreter starts once: each grouping is built
+once and measured with every unit checkpointed and with none,
 the candidates are priced (``search.py``) and the cheapest predicted to fit gets a fake step of
 its own, built and sharded exactly as ``Plan.apply`` will. A ``build`` that fails or returns the
 wrong things is reported as data (``{"error": ...}``), for ``plan`` to raise in the caller.
@@ -115,17 +115,17 @@ def search(spec: dict) -> dict:
     del model
     options = groupings(n, units.repeated, splittable)
     plain: dict[str, Measured] = {}
+    checkpointed: dict[str, Measured] = {}
     groups: dict[str, int] = {}
-    checkpointed, gather, sharded, steps = None, [0] * n, 0, 0
+    gather, sharded, steps = [0] * n, 0, 0
     for grouping in options:
-        measure_both = grouping == UNITS
         measured, groups[grouping], unit_gather, sharded = fake_steps(
-            build, units, Config(grouping, checkpointed=n if measure_both else 0), mp_policy, hold, measure_both
+            build, units, Config(grouping, checkpointed=n), mp_policy, hold, checkpoint_all=n > 0
         )
         steps += len(measured)
-        if measure_both:
-            checkpointed, gather = measured[0], unit_gather
-        plain[grouping] = measured[-1]
+        if grouping == UNITS:
+            gather = unit_gather
+        checkpointed[grouping], plain[grouping] = measured[0], measured[-1]
     cal = Calibration(n, plain, checkpointed, groups, unsharded, gather, sharded)
     candidates = [price(cal, config, rates) for config in configurations(n, options, spec["accelerator"])]
     chosen = None

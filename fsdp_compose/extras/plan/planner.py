@@ -83,6 +83,7 @@ class Plan:
     candidates: list[Candidate] = field(default_factory=list)
     mp_policy: MixedPrecisionPolicy = field(default_factory=MixedPrecisionPolicy)
     device: str = "cpu"
+    rates: Rates = field(default_factory=Rates)
     fake_steps: int = 0
     seconds: float = 0.0
 
@@ -111,13 +112,13 @@ class Plan:
         )
 
     def __str__(self) -> str:
-        return "\n".join([self.summary(), "", table(self.candidates)])
+        return "\n".join([self.summary(), "", table(self.candidates), legend(self.rates)])
 
 
 def table(candidates: list[Candidate]) -> str:
     """Every configuration weighed, cheapest first: its predicted peak, traffic, recompute and verdict."""
-    rows = [("grouping", "groups", "checkpointed", "kept", "offload", "peak", "fake step", "moved",
-             "recompute", "cost", "verdict")]
+    rows = [("grouping", "groups", "checkpointed", "kept", "offload", "predicted peak", "fake step",
+             "moved / step", "recompute", "cost", "verdict")]
     for c in sorted(candidates, key=order):
         rows.append((
             c.config.grouping,
@@ -133,6 +134,15 @@ def table(candidates: list[Candidate]) -> str:
             c.verdict,
         ))
     return _table(rows)
+
+
+def legend(rates: Rates) -> str:
+    return (
+        "checkpointed: the first units' forward recomputed in backward; kept: the last units with "
+        "reshard_after_forward=False;\n"
+        f"cost: bytes moved at {rates.link_bytes_per_s / 1e9:g} GB/s (CPU offload's copies at "
+        f"{rates.host_bytes_per_s / 1e9:g} GB/s) plus recompute at {rates.flops_per_s / 1e12:g} TFLOP/s"
+    )
 
 
 def _submodule(model: nn.Module, name: str) -> nn.Module | None:
@@ -181,6 +191,7 @@ def plan(
     if like not in ("nccl", "gloo"):
         raise ValueError(f"plan(like={like!r}): 'nccl' or 'gloo'")
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    rates = rates or Rates()
     if device is None:
         accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
         device = accelerator.type if accelerator is not None else "cpu"
@@ -191,7 +202,7 @@ def plan(
         "accelerator": device != "cpu",
         "hold_reduce_inputs": like == "nccl",
         "mp_policy": base64.b64encode(pickle.dumps(mp_policy)).decode(),  # dtypes and flags: plain pickle
-        "rates": dataclasses.asdict(rates or Rates()),
+        "rates": dataclasses.asdict(rates),
         "sys_path": sys_path,
         **_reference(build),
     }
@@ -206,12 +217,12 @@ def plan(
         raise BudgetError(
             f"plan: no configuration fits {fmt_bytes(nbytes)} per rank ({nbytes} bytes) at world size {world_size}: "
             f"the smallest predicted peak is {fmt_bytes(smallest.peak_bytes)}, with {smallest.config.describe(units)}. "
-            f"Units: {units.describe()}. Configurations weighed:\n{table(candidates)}"
+            f"Units: {units.describe()}. Configurations weighed:\n{table(candidates)}\n{legend(rates)}"
         )
     chosen = candidates[result["chosen"]]
     assert chosen.verdict == CHOSEN and chosen.measured_bytes is not None
     return Plan(world_size, nbytes, units, chosen.config, chosen.measured_bytes, chosen.peak_bytes, candidates,
-                mp_policy, device, result["fake_steps"], result["seconds"])
+                mp_policy, device, rates, result["fake_steps"], result["seconds"])
 
 
 def _run_subprocess(spec: dict[str, Any], sys_path: list[str], timeout: float) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """The candidates ``plan`` weighs, priced from a few fake steps by arithmetic, and the choice.
 
-Units being alike, a step with every unit checkpointed and one with none price any number in
-between: the peak moves linearly from one to the other (each checkpointed unit trades its saved
+Units being alike, a step with every unit checkpointed and one with none (for each grouping) price
+any number in between: the peak moves linearly from one to the other (each checkpointed unit trades its saved
 activations for its input), and the recompute is that many units' forward FLOPs. A unit kept
 unsharded after forward adds its gathered parameters to the peak (counted as live for the whole
 step: an upper bound) and saves its backward all-gather. CPU offload takes the sharded
@@ -38,7 +38,7 @@ class Calibration:
 
     units: int
     plain: dict[str, Measured]  # grouping -> a step with nothing checkpointed or kept
-    checkpointed: Measured | None  # the "units" grouping with every unit checkpointed
+    checkpointed: dict[str, Measured]  # grouping -> every unit checkpointed, nothing kept (none without units)
     groups: dict[str, int]  # grouping -> fully_shard calls
     unsharded_bytes: list[int]  # per unit, gathered (in the gather dtype)
     gather_bytes: list[int]  # per unit, one all-gather of its groups
@@ -90,11 +90,10 @@ def price(cal: Calibration, config: Config, rates: Rates) -> Candidate:
     base = cal.plain[config.grouping]
     peak = base.peak(config.offload)
     recompute = 0
-    if config.checkpointed and cal.checkpointed is not None:
-        share = config.checkpointed / cal.units
-        plain = cal.plain[UNITS]
-        peak += round(share * (cal.checkpointed.peak(config.offload) - plain.peak(config.offload)))
-        recompute = round(share * max(cal.checkpointed.flops - plain.flops, 0))
+    if config.checkpointed:
+        share, every = config.checkpointed / cal.units, cal.checkpointed[config.grouping]
+        peak += round(share * (every.peak(config.offload) - base.peak(config.offload)))
+        recompute = round(share * max(every.flops - base.flops, 0))
     last = slice(cal.units - config.kept, cal.units) if config.kept else slice(0, 0)
     peak += sum(cal.unsharded_bytes[last])
     moved = base.moved_bytes - sum(cal.gather_bytes[last])
