@@ -53,6 +53,12 @@ _ENV_DROPPED = (
 )
 
 
+_LIKE = {
+    "nccl": "reduce-scatter inputs held until their transfer is over",
+    "gloo": "gloo's copies of reduce-scatter inputs and all-gather staging buffers counted",
+}
+
+
 @dataclass
 class Estimate:
     """The result of ``estimate``: ``str()`` is the report, ``to_dict()`` the same as JSON-able data.
@@ -89,8 +95,9 @@ class Estimate:
         phases = ", ".join(f"{p} {fmt_bytes(b)}" for p, b in self.phase_peaks.items())
         return "\n".join(
             [
-                f"one training step on fake tensors, rank {self.rank} of {self.world_size}, like {self.like} "
-                f"(reduce-scatter inputs {'held until their wait' if self.like == 'nccl' else 'freed when issued'}); "
+                f"training steps on fake tensors (a first, then a steady one), rank {self.rank} of {self.world_size}, "
+                f"like {self.like} "
+                f"({_LIKE[self.like]}); "
                 f"build {self.build_seconds:.1f} s, {self.step_seconds:.1f} s per fake step",
                 "",
                 _table(rows),
@@ -144,8 +151,10 @@ def estimate(
     optimizer state, unsharded parameters, collective buffers, unsharded gradients, everything
     else: activations and temporaries), each phase's peak, collectives per step (calls and bytes
     as ``CommStats`` counts them), and ``explain``'s plan and predicted peak for the same model.
-    ``like="nccl"`` keeps each reduce-scatter's input alive until its wait, as NCCL does;
-    ``"gloo"`` frees it when issued. Not modelled: allocator caching and fragmentation, CUDA
+    ``like="nccl"`` keeps each reduce-scatter's input alive until its transfer is over, as NCCL does;
+    ``"gloo"`` runs the runtime's gloo paths and counts gloo's own buffers (its copy of each reduce-scatter
+    input, an all-gather's staging buffer). The first steps are measured too: the peak is the highest of
+    them. Not modelled: allocator caching and fragmentation, CUDA
     context and library workspaces. The subprocess is killed after ``timeout`` seconds.
     """
     return estimate_many([(build, world_size, rank)], like=like, warmup_steps=warmup_steps, timeout=timeout)[0]
@@ -171,7 +180,7 @@ def estimate_many(
                 "world_size": world,
                 "rank": rank,
                 "warmup_steps": warmup_steps,
-                "hold_reduce_inputs": job_like == "nccl",
+                "like": job_like,
                 **_reference(build),
             }
             for (build, world, rank, *_), job_like in zip(jobs, likes)

@@ -149,39 +149,103 @@ _DEVICE = torch.ops.prim.device.default
 
 class CollectiveTimeline(StorageTimeline):
     """Also labels the tensors of ``c10d`` operators as collective buffers (without replacing a
-    label already put, e.g. on a shard sent as it is, except an ``inherited`` one).
+    label already put, e.g. on a shard sent as it is, except an ``inherited`` one), and counts what
+    the backend ``like`` holds while a collective is in flight (the fake process group holds nothing and
+    is done at once).
 
+    A collective's transfer is over at its wait (``waited``; failing that, when its output is next read), or
+    at the wait of a later collective of its process group (the ranks run a group's collectives in one
+    order, NCCL on one stream; on gloo the order check's handshake before each all-gather is such a wait).
+    ``like="nccl"``: each reduce-scatter's input stays alive until its transfer is over (NCCL reads it).
+    ``like="gloo"``: gloo copies each reduce-scatter's input when it is issued and frees the copy with the
+    work, at its own wait; an all-gather allocates an output-sized buffer while it is issued and stages the
+    output in another while its transfer runs (when exactly it ends depends on gloo's threads: this is the
+    latest). Counted as collective buffers no Python tensor holds, as the C allocator's own count of a real
+    gloo run shows them (``tests/extras/observe/test_never_low.py``). ``like=None``: nothing more.
     ``inherited``: labels that pass from an operator's inputs to its new outputs (an unsharded
-    gradient's copy in the reduce dtype is still that gradient). ``hold_reduce_inputs``: keep each
-    reduce-scatter input alive until its output is next used (after the wait), as NCCL does; the
-    fake process group and gloo let it go when the collective is issued."""
+    gradient's copy in the reduce dtype is still that gradient)."""
 
-    def __init__(self, hold_reduce_inputs: bool, inherited: frozenset[str] = frozenset()) -> None:
+    def __init__(self, like: str | None, inherited: frozenset[str] = frozenset()) -> None:
         super().__init__()
-        self.hold_reduce_inputs = hold_reduce_inputs
+        self.like = like
         self.inherited = inherited
-        self._held: dict[int, torch.Tensor] = {}  # serial of a reduce-scatter output -> its input
+        # serial of a collective's output -> what the backend holds for it: tensors, and buffers of its own
+        # (``_backend_buffer``'s serials) with whether they live until the work is waited or only the transfer
+        self._held: dict[int, list[tuple[torch.Tensor | int, bool]]] = {}
+        self._in_flight: dict[object, list[int]] = {}  # process group -> its collectives' outputs, in issue order
+
+    def issued(self, group: object, output: torch.Tensor) -> None:
+        """A collective on ``group`` writing ``output`` was issued (after its operator ran)."""
+        serial = self.serial_of(output)
+        if serial is not None:
+            self._in_flight.setdefault(group, []).append(serial)
+
+    def waited(self, output: torch.Tensor, group: object = None) -> None:
+        """The collective writing ``output`` is done, and so is the transfer of every one issued before it on
+        ``group`` (ranks run a group's collectives in one order): the backend lets go of what they held, but
+        for what it frees with a work not waited yet."""
+        serial = self.serial_of(output)
+        if serial is None:
+            return
+        order = self._in_flight.get(group, [])
+        earlier = []
+        if serial in order:
+            at = order.index(serial)
+            earlier, self._in_flight[group] = order[:at], order[at + 1 :]
+        for each in [*earlier, serial]:
+            kept = []
+            for held, with_work in self._held.pop(each, ()):
+                if with_work and each != serial:
+                    kept.append((held, with_work))
+                elif isinstance(held, int):
+                    self._close(held)
+            if kept:
+                self._held[each] = kept
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE:  # asked for every fake tensor's device by autograd: no storage to count
             return func(*args)
-        serials = [self.serial_of(t) for t in tensors_in(args)]
-        if self._held and func.namespace != "c10d":
-            for serial in serials:
-                self._held.pop(serial, None)
+        tensors = list(tensors_in(args))
+        if self._held and func.namespace != "c10d" and not func.is_view:  # read before the wait was seen
+            for t in tensors:
+                self.waited(t)
         out = super().__torch_dispatch__(func, types, args, kwargs)
         if func.namespace == "c10d":
-            tensors = [t for t in args if isinstance(t, torch.Tensor)]
             for t in tensors:
                 serial = self.serial_of(t)
                 if serial is not None and (serial not in self.labels or self.labels[serial] in self.inherited):
                     self.labels[serial] = COLLECTIVE_BUFFERS
-            if self.hold_reduce_inputs and "reduce_scatter" in str(func) and len(tensors) >= 2:
-                serial = self.serial_of(tensors[0])
-                if serial is not None:
-                    self._held[serial] = tensors[1]
+            if len(tensors) >= 2:
+                self._hold(str(func), tensors[0], tensors[1])
         elif self.inherited and self.labels:
+            serials = [self.serial_of(t) for t in tensors]
             found = next((self.labels[s] for s in serials if self.labels.get(s) in self.inherited), None)
             if found is not None:
                 self.label(tensors_in(out), found, override=False)
         return out
+
+    def _hold(self, name: str, output: torch.Tensor, input: torch.Tensor) -> None:
+        """What the backend keeps while the collective ``name`` (output, input) is in flight."""
+        serial = self.serial_of(output)
+        if serial is None or self.like not in ("nccl", "gloo"):
+            return
+        held = self._held.setdefault(serial, [])
+        if "reduce_scatter" in name:
+            if self.like == "nccl":  # read until the transfer ends
+                held.append((input, False))
+            else:  # gloo's copy, freed with the work
+                held.append((self._backend_buffer(input.untyped_storage().nbytes()), True))
+        elif "allgather" in name and self.like == "gloo":
+            nbytes = output.untyped_storage().nbytes()
+            self._close(self._backend_buffer(nbytes))  # while the operator runs
+            held.append((self._backend_buffer(nbytes), False))  # staging, while the transfer runs
+
+    def _backend_buffer(self, nbytes: int) -> int:
+        """Count a buffer the backend allocates for itself, as a storage of its own; its serial."""
+        with self._lock:
+            serial = self._next_serial
+            self._next_serial += 1
+            self.labels[serial] = COLLECTIVE_BUFFERS
+            self._open(serial, nbytes)
+        return serial
+

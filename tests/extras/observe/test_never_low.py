@@ -1,0 +1,120 @@
+"""Issue 58, item 1: ``estimate()`` is never low. Its per-rank peak is within [1.00, 1.05] of a real run's peak
+of live tensor storage, on every rank, and ``explain()``'s figure (sharded state and groups in flight, without
+activations) within [1.00, 1.05] of the same fake step's largest non-activation memory.
+
+The real run: 3 AdamW steps of each job (``never_low_jobs.py``) on gloo ranks, its peak counted below torch by
+``allocator_counter.py`` (every block c10's CPU allocator takes, on every thread: gloo's own copies included),
+which ``test_allocator_counter.py`` checks against sizes computed by hand. The estimate: ``estimate(like="gloo")``
+for each rank, in one subprocess per world size. ``test_ratio_table`` prints every ratio (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from fsdp_compose.extras.observe.estimate import estimate_many
+from tests.extras.observe.allocator_counter import LiveStorage, library, run_counted
+from tests.extras.observe.never_low_jobs import JOBS, wide
+
+pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler to build live_storage.c")
+
+STEPS = 3
+# the default run: a case of each kind the issue named worst, at 2 and 3 ranks; every case at 2, 3 and 8 is slow
+DEFAULT = [("fp32", 2), ("no_gradient", 3), ("huge_and_tiny", 3), ("batch", 2), ("checkpointed", 3)]
+SLOW = [(name, world) for world in (2, 3, 8) for name in JOBS if (name, world) not in DEFAULT]
+# deselected by default where pyproject.toml declares the marker; without it, run only with FSDP_COMPOSE_SLOW=1
+_DECLARED = '"slow:' in (Path(__file__).resolve().parents[3] / "pyproject.toml").read_text()
+slow = pytest.mark.slow if _DECLARED or os.environ.get("FSDP_COMPOSE_SLOW") == "1" else pytest.mark.skip(
+    reason="a long run: FSDP_COMPOSE_SLOW=1 runs it (pyproject.toml declares no slow marker to deselect it)"
+)
+RATIOS: dict[tuple[str, int], list[tuple[float, float]]] = {}  # (case, world) -> per rank (estimate, explain)
+
+
+def _real_peak(name: str) -> int:
+    """This rank's peak of live tensor storage over the job's first ``STEPS`` steps (its build excluded)."""
+    counter = LiveStorage()
+    gc.collect()
+    base = counter.current()  # what the worker held before: not the job's
+    model, optimizer, loss_fn = JOBS[name]()
+    peak = 0
+    for _ in range(STEPS):
+        counter.reset_peak()
+        loss_fn().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        peak = max(peak, counter.peak() - base)
+    return peak
+
+
+@pytest.fixture(scope="module")
+def estimates():
+    """Every case's estimate, every rank, one subprocess per world size, started at once and collected when a
+    test needs it (the real runs go on meanwhile)."""
+    pool = ThreadPoolExecutor(1)
+    futures = {}
+
+    def get(name: str, world: int):
+        if world not in futures:
+            names = [n for n, w in DEFAULT + SLOW if w == world]
+            jobs = [(JOBS[n], world, rank) for n in names for rank in range(world)]
+            futures[world] = (names, pool.submit(estimate_many, jobs, like="gloo", timeout=1800))
+        names, future = futures[world]
+        at = names.index(name) * world
+        return future.result()[at : at + world]
+
+    yield get
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _check(estimates, name: str, world: int) -> None:
+    reals = run_counted(world, _real_peak, name, timeout=600)
+    found = [
+        (e.peak_bytes / real, e.predicted_peak_bytes / e.peak_without_activations, real, e)
+        for real, e in zip(reals, estimates(name, world))
+    ]
+    RATIOS[(name, world)] = [(ratio, explained) for ratio, explained, _, _ in found]
+    for rank, (ratio, explained, real, e) in enumerate(found):
+        assert 1.0 <= ratio <= 1.05, (name, world, rank, f"estimate {e.peak_bytes} / real {real} = {ratio:.4f}")
+        assert 1.0 <= explained <= 1.05, (
+            name,
+            world,
+            rank,
+            f"explain {e.predicted_peak_bytes} / fake step without activations {e.peak_without_activations}",
+        )
+
+
+@pytest.mark.parametrize("name, world", DEFAULT)
+def test_estimate_is_never_low(estimates, name, world):
+    _check(estimates, name, world)
+
+
+@slow
+@pytest.mark.parametrize("name, world", SLOW)
+def test_estimate_is_never_low_everywhere(estimates, name, world):
+    _check(estimates, name, world)
+
+
+@slow
+def test_at_64_and_512_ranks_the_shards_shrink_the_peak():
+    """No ground truth there: the estimate runs, and the per-rank figure falls with the shards."""
+    at64, at512 = estimate_many([(wide, 64, 0), (wide, 512, 0)], like="nccl", timeout=1800)
+    sharded = [e.at_peak.get("parameters", 0) + e.at_peak.get("optimizer state", 0) for e in (at64, at512)]
+    assert at512.peak_bytes < at64.peak_bytes, (at64.summary(), at512.summary())
+    assert sharded[1] <= sharded[0] / 8 * 1.1, sharded
+
+
+def test_ratio_table(capsys):
+    """The ratios this run measured, per case and world size: min and max over the ranks."""
+    if not RATIOS:
+        pytest.skip("no case ran")
+    rows = [f"{'case':14s} {'ranks':>5s} {'estimate/real':>15s} {'explain/fake':>15s}"]
+    for (name, world), found in sorted(RATIOS.items(), key=lambda item: (item[0][1], item[0][0])):
+        est, exp = [r for r, _ in found], [x for _, x in found]
+        rows.append(f"{name:14s} {world:5d} {min(est):7.4f}-{max(est):.4f} {min(exp):7.4f}-{max(exp):.4f}")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
