@@ -248,7 +248,8 @@ class ParamGroup:
                 rows, present = [], []
                 for p in params:
                     grad = unsharded_grad(p)
-                    present.append(grad is not None)
+                    p.had_gradient = grad is not None
+                    present.append(p.had_gradient)
                     rows.append(padded_grad_rows(p, grad))
                     clear_unsharded_grad(p)
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it

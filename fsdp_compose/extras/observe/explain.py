@@ -201,9 +201,13 @@ def explain(
             orders[r] = [s for s in recorded if s in names]
 
     sizes = {s: plan.sizes_of(g) for s, g in facts.items()}
-    held = first.backend != "gloo"
+    like = "gloo" if first.backend == "gloo" else "nccl"
+    gradients = {id(p.parameter): p.had_gradient for g in facts.values() for p in g.trainable}
+    gradients = {key: had for key, had in gradients.items() if had is not None}  # none before a first step
     schedules = memory.schedules_after_first_step(roots_of, orders, first.prefetch_limit)
-    result = memory.replay(calls, param_pos, sizes, names, roots, schedules, first.reduce_limit, facts, held)
+    result = memory.replay(
+        calls, param_pos, sizes, names, roots, schedules, first.reduce_limit, facts, like, gradients
+    )
     groups = []
     for s, g in facts.items():
         is_root = g.call[0] in roots

@@ -86,15 +86,18 @@ def test_categories_are_the_tensors_they_name(estimates):
     assert e.phase_peaks["backward"] == e.peak_bytes and e.peak_phase == "backward"
 
 
-def test_like_nccl_holds_reduce_inputs_and_agrees_with_explain(estimates):
-    """``like="nccl"`` (the default) keeps reduce-scatter inputs until the wait, as explain's replay
-    assumes on such backends: the step's largest non-activation memory then matches explain's prediction."""
+def test_like_either_backend_agrees_with_explain(estimates):
+    """``explain``'s replay counts what the fake step counts, like NCCL (``like="nccl"``, the default: each
+    reduce-scatter's input held until its transfer is over) and like gloo (its copies and staging buffers):
+    the step's largest non-activation memory is explain's prediction."""
     e, gloo = estimates()[(2, 0, "fp32", "nccl")], estimates()[(2, 0, "fp32", "gloo")]
-    assert e.peak_without_activations > gloo.peak_without_activations
-    assert abs(e.peak_without_activations / e.predicted_peak_bytes - 1) <= 0.02, (
-        e.peak_without_activations,
-        e.predicted_peak_bytes,
-    )
+    for each in (e, gloo):
+        assert 1.0 <= each.predicted_peak_bytes / each.peak_without_activations <= 1.05, (
+            each.like,
+            each.predicted_peak_bytes,
+            each.peak_without_activations,
+        )
+    assert gloo.peak_without_activations > e.peak_without_activations  # gloo's copies
     text = str(e)
     for line in (
         "like nccl (reduce-scatter inputs held until their transfer is over)",
