@@ -75,6 +75,9 @@ class Estimate:
     plan: str = ""  # explain(model, optimizer) after the warm-up step
     predicted_peak_bytes: int = 0  # explain's prediction (activations excluded)
     peak_without_activations: int = 0  # the step's largest sum of every category but activations
+    # like="gloo": the peak were each all-gather's transfer over as soon as issued (gloo's threads decide when
+    # it ends: a real step's peak lies between this and peak_bytes); like="nccl": peak_bytes
+    settled_peak_bytes: int = 0
     phase_without_activations: str = "-"
     like: str = "nccl"
     build_seconds: float = 0.0
@@ -93,15 +96,21 @@ class Estimate:
         traffic = [("collectives per step", "calls", "bytes")]
         traffic += [(kind, str(calls), fmt_bytes(nbytes)) for kind, (calls, nbytes) in self.collectives.items()]
         phases = ", ".join(f"{p} {fmt_bytes(b)}" for p, b in self.phase_peaks.items())
+        settled = []
+        if self.settled_peak_bytes != self.peak_bytes:
+            settled = [
+                "gloo's all-gather buffers are counted until each transfer's latest end; "
+                f"were transfers over at once, the peak would be {fmt_bytes(self.settled_peak_bytes)}"
+            ]
         return "\n".join(
             [
-                f"training steps on fake tensors (a first, then a steady one), rank {self.rank} of {self.world_size}, "
-                f"like {self.like} "
-                f"({_LIKE[self.like]}); "
+                f"training steps on fake tensors (a first, then a steady one), rank {self.rank} of "
+                f"{self.world_size}, like {self.like} ({_LIKE[self.like]}); "
                 f"build {self.build_seconds:.1f} s, {self.step_seconds:.1f} s per fake step",
                 "",
                 _table(rows),
                 f"peak per phase: {phases}",
+                *settled,
                 f"without activations: {fmt_bytes(self.peak_without_activations)} at most "
                 f"(during {self.phase_without_activations}); explain() predicts {fmt_bytes(self.predicted_peak_bytes)}",
                 "",

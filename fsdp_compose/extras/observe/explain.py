@@ -70,6 +70,7 @@ class Totals:
     measured_peak_bytes: int | None = None  # measured with sample_batch (storages, this rank)
     optimizer_collectives: int = 0  # issued by optimizer.step() itself (whole-matrix owners), not in the above
     optimizer_collective_bytes: int = 0  # their inputs on this rank
+    in_flight_at_peak: dict[str, int] = field(default_factory=dict)  # category -> bytes in flight at the peak
 
 
 @dataclass
@@ -319,6 +320,7 @@ def _totals(model, facts: list[GroupFacts], groups, optimizer_bytes, source, res
         gradient_bytes=result.after_backward,
         predicted_peak_bytes=static + result.peak,
         step_bytes=static + result.after_backward,
+        in_flight_at_peak=result.at_peak,
     )
 
 

@@ -132,6 +132,7 @@ def measured_step(
         "peak_without_activations": without,
         "phase_without_activations": _phase_of(timeline, event),
         "peak_bytes": timeline.peak,
+        "settled_peak_bytes": timeline.settled_peak,
         "peak_phase": _phase_of(timeline, timeline.peak_event),
         "at_peak": timeline.live_at(timeline.peak_event),
         "phase_peaks": {p: b for p, (b, _) in timeline.phase_peaks.items() if p != "-"},
@@ -150,6 +151,7 @@ def _highest(steps: list[dict]) -> dict:
     result = dict(steps[-1])
     top = max(steps, key=lambda step: step["peak_bytes"])
     result.update({key: top[key] for key in ("peak_bytes", "peak_phase", "at_peak")})
+    result["settled_peak_bytes"] = max(step["settled_peak_bytes"] for step in steps)
     if top is not steps[-1]:
         result["peak_phase"] = f"first step's {top['peak_phase']}"
     result["phase_peaks"] = {

@@ -47,13 +47,15 @@ class BackendHolds:
 
     reduce_input_until_transfer: bool  # NCCL reads the input until the transfer is over
     reduce_input_copy: bool  # gloo copies it when issued and frees the copy at its own wait
+    gather_input_until_wait: bool  # an all-gather input apart from its output: gloo's work holds it (NCCL
+    # reads it until the transfer is over)
     gather_staging: bool  # gloo: an output-sized buffer while issuing, another while the transfer runs
     reduce_after_handshake: bool  # the runtime's gloo path: a reduce-scatter waits for the next handshake
 
 
 BACKEND_HOLDS = {
-    "nccl": BackendHolds(True, False, False, False),
-    "gloo": BackendHolds(False, True, True, True),
+    "nccl": BackendHolds(True, False, False, False, False),
+    "gloo": BackendHolds(False, True, True, True, True),
 }
 
 
@@ -196,11 +198,15 @@ class _Step:
         size, name = self.sizes[s], self.names[s]
         if self.holds.reduce_after_handshake:  # gloo's order check: a synchronous all-reduce first
             self.waited(None)
-        # re-gathered from the slice kept after forward, or from the shards; the input is the output's own row
-        gathered = size.kept_gathered if s in self.kept else size.gathered
-        self.kept.discard(s)
-        self.live.add(("gathered", s), gathered, f"all-gather {name}")
+        # re-gathered from the slice kept after forward (the backend holds it: NCCL reads it until the transfer
+        # is over, gloo's work keeps it), or from the shards (the input is the output's own row)
         collective = _Collective()
+        gathered = size.kept_gathered if s in self.kept else size.gathered
+        if s in self.kept:
+            self.kept.discard(s)
+            held = collective.until_wait if self.holds.gather_input_until_wait else collective.until_transfer
+            held.append(("kept", s))
+        self.live.add(("gathered", s), gathered, f"all-gather {name}")
         if self.holds.gather_staging:
             self.live.spike(("issuing", s), gathered, f"all-gather {name}")
             self.live.add(("staging", s), gathered, f"all-gather {name}")
@@ -214,8 +220,7 @@ class _Step:
         self.pending.discard(s)
         self.waited(("gather", s))
         self.live.add(("unsharded", s), self.sizes[s].unsharded, where)  # copy-out: buffer and target coexist
-        for kind in ("gathered", "kept"):
-            self.live.drop((kind, s))
+        self.live.drop(("gathered", s))
         self.unsharded.add(s)
 
     def reshard(self, s: GroupHandle, after_forward: bool) -> None:

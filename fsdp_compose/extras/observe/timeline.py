@@ -156,11 +156,12 @@ class CollectiveTimeline(StorageTimeline):
     A collective's transfer is over at its wait (``waited``; failing that, when its output is next read), or
     at the wait of a later collective of its process group (the ranks run a group's collectives in one
     order, NCCL on one stream; on gloo the order check's handshake before each all-gather is such a wait).
-    ``like="nccl"``: each reduce-scatter's input stays alive until its transfer is over (NCCL reads it).
+    ``like="nccl"``: each reduce-scatter's input, and an all-gather's that is not part of its output (a
+    slice kept after forward), stay alive until the transfer is over (NCCL reads them).
     ``like="gloo"``: gloo copies each reduce-scatter's input when it is issued and frees the copy with the
-    work, at its own wait; an all-gather allocates an output-sized buffer while it is issued and stages the
-    output in another while its transfer runs (when exactly it ends depends on gloo's threads: this is the
-    latest). Counted as collective buffers no Python tensor holds, as the C allocator's own count of a real
+    work, at its own wait; its work holds an all-gather's input until then too; an all-gather allocates an
+    output-sized buffer while it is issued and stages the output in another while its transfer runs (when
+    exactly it ends depends on gloo's threads: counted to the latest end; ``settled_peak`` leaves them out). Counted as collective buffers no Python tensor holds, as the C allocator's own count of a real
     gloo run shows them (``tests/extras/observe/test_never_low.py``). ``like=None``: nothing more.
     ``inherited``: labels that pass from an operator's inputs to its new outputs (an unsharded
     gradient's copy in the reduce dtype is still that gradient)."""
@@ -173,6 +174,9 @@ class CollectiveTimeline(StorageTimeline):
         # (``_backend_buffer``'s serials) with whether they live until the work is waited or only the transfer
         self._held: dict[int, list[tuple[torch.Tensor | int, bool]]] = {}
         self._in_flight: dict[object, list[int]] = {}  # process group -> its collectives' outputs, in issue order
+        self._timed: dict[int, int] = {}  # gloo's all-gather buffers: serial -> bytes (see ``settled_peak``)
+        self._timed_bytes = 0
+        self.settled_peak = 0  # the peak were every transfer over as soon as issued: without those buffers
 
     def issued(self, group: object, output: torch.Tensor) -> None:
         """A collective on ``group`` writing ``output`` was issued (after its operator ran)."""
@@ -198,7 +202,7 @@ class CollectiveTimeline(StorageTimeline):
                 if with_work and each != serial:
                     kept.append((held, with_work))
                 elif isinstance(held, int):
-                    self._close(held)
+                    self._close(held)  # else a tensor, let go
             if kept:
                 self._held[each] = kept
 
@@ -235,17 +239,32 @@ class CollectiveTimeline(StorageTimeline):
                 held.append((input, False))
             else:  # gloo's copy, freed with the work
                 held.append((self._backend_buffer(input.untyped_storage().nbytes()), True))
-        elif "allgather" in name and self.like == "gloo":
-            nbytes = output.untyped_storage().nbytes()
-            self._close(self._backend_buffer(nbytes))  # while the operator runs
-            held.append((self._backend_buffer(nbytes), False))  # staging, while the transfer runs
+        elif "allgather" in name:
+            if input.untyped_storage() is not output.untyped_storage():  # e.g. a slice kept after forward
+                held.append((input, self.like == "gloo"))  # the backend reads it; gloo's work holds it
+            if self.like == "gloo":
+                nbytes = output.untyped_storage().nbytes()
+                self._close(self._backend_buffer(nbytes, timed=True))  # while the operator runs
+                held.append((self._backend_buffer(nbytes, timed=True), False))  # staging, while the transfer runs
 
-    def _backend_buffer(self, nbytes: int) -> int:
-        """Count a buffer the backend allocates for itself, as a storage of its own; its serial."""
+    def _backend_buffer(self, nbytes: int, timed: bool = False) -> int:
+        """Count a buffer the backend allocates for itself, as a storage of its own; its serial. ``timed``: its
+        life depends on when gloo's threads run the transfer (counted to the latest end)."""
         with self._lock:
             serial = self._next_serial
             self._next_serial += 1
             self.labels[serial] = COLLECTIVE_BUFFERS
+            if timed:
+                self._timed[serial] = nbytes
+                self._timed_bytes += nbytes
             self._open(serial, nbytes)
         return serial
+
+    def _close(self, serial: int) -> None:
+        self._timed_bytes -= self._timed.pop(serial, 0)
+        super()._close(serial)
+
+    def _tick(self) -> None:
+        super()._tick()
+        self.settled_peak = max(self.settled_peak, self.current - self._timed_bytes)
 
