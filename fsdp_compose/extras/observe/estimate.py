@@ -54,7 +54,7 @@ _ENV_DROPPED = (
 
 
 _LIKE = {
-    "nccl": "reduce-scatter inputs held until their transfer is over",
+    "nccl": "reduce-scatter inputs held until their wait",
     "gloo": "gloo's copies of reduce-scatter inputs and all-gather staging buffers counted",
 }
 
@@ -152,19 +152,19 @@ def estimate(
     must not initialize a process group itself. ``build`` is passed by reference: a module-level
     function of an importable module (a function of the ``__main__`` script is sent by value with
     cloudpickle, which must then be installed). The model is then materialized on fake CPU
-    tensors (``to_empty``), ``warmup_steps`` steps run (the first records the order and creates
-    the optimizer state), and one more is measured: forward, backward, ``optimizer.step()``,
-    ``zero_grad()``.
+    tensors (``to_empty``), and ``warmup_steps`` steps (the first records the order and creates the
+    optimizer state) and one more run, each forward, backward, ``optimizer.step()``, ``zero_grad()``: the
+    peak is the highest of them, the rest of the report the last one's.
 
     Reported: the peak of live tensor storages and its split (sharded parameters, gradients,
     optimizer state, unsharded parameters, collective buffers, unsharded gradients, everything
     else: activations and temporaries), each phase's peak, collectives per step (calls and bytes
     as ``CommStats`` counts them), and ``explain``'s plan and predicted peak for the same model.
-    ``like="nccl"`` keeps each reduce-scatter's input alive until its transfer is over, as NCCL does;
+    ``like="nccl"`` keeps each reduce-scatter's input alive until its wait, as NCCL does;
     ``"gloo"`` runs the runtime's gloo paths and counts gloo's own buffers (its copy of each reduce-scatter
-    input, an all-gather's staging buffer). The first steps are measured too: the peak is the highest of
-    them. Not modelled: allocator caching and fragmentation, CUDA
-    context and library workspaces. The subprocess is killed after ``timeout`` seconds.
+    input, an all-gather's staging buffer to its transfer's latest end; ``settled_peak_bytes`` leaves the
+    latter out). Not modelled: allocator caching and fragmentation, CUDA context and library workspaces.
+    The subprocess is killed after ``timeout`` seconds.
     """
     return estimate_many([(build, world_size, rank)], like=like, warmup_steps=warmup_steps, timeout=timeout)[0]
 

@@ -100,12 +100,12 @@ def _phase_of(timeline: CollectiveTimeline, event: int) -> str:
 
 
 def measured_step(
-    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, like: str | None, before: dict | None = None
+    model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, like: str | None, earlier: dict | None = None
 ) -> dict:
     """One step under a ``CollectiveTimeline``: the peak, its bytes by category, the traffic.
 
-    Counted from the start: every tensor alive but those in ``before`` (``_tensors_now``, taken before the
-    job was built): the model's, the optimizer's, and what the runtime keeps between steps (padding rows,
+    Counted from the start: every tensor alive but ``earlier`` ones (weak references by ``id``, taken before
+    the job was built): the model's, the optimizer's, and what the runtime keeps between steps (padding rows,
     has-gradient flags, slices kept after forward), found by the garbage collector."""
     timeline = CollectiveTimeline(like, inherited=frozenset({UNSHARDED_GRADIENTS}))
     timeline.label(list(model.parameters()) + list(model.buffers()), PARAMETERS)
@@ -116,7 +116,8 @@ def measured_step(
             timeline.label([unsharded], UNSHARDED_PARAMETERS)
             if unsharded.requires_grad:  # a pre-hook: sees the gradient before the runtime reduces it
                 handles.append(unsharded.register_hook(lambda g: timeline.label([g], UNSHARDED_GRADIENTS)))
-    timeline.track(t for t in _tensors_now().values() if t is not (before or {}).get(id(t), lambda: None)())
+    earlier = earlier or {}
+    timeline.track(t for key, t in _tensors_now().items() if key not in earlier or earlier[key]() is not t)
     before = traffic(model)
     try:
         with timeline, _beyond_operators(timeline):
@@ -239,7 +240,7 @@ def run(spec: dict) -> dict:
     if spec["like"] == "gloo":  # the runtime takes gloo's paths (reduce-scatters wait for the next handshake)
         dist.get_backend = lambda group=None: "gloo" if get_backend(group) == "fake" else get_backend(group)
     try:
-        before = {key: weakref.ref(t) for key, t in _tensors_now().items()}  # earlier jobs' leftovers
+        earlier = {key: weakref.ref(t) for key, t in _tensors_now().items()}  # earlier jobs' leftovers
         started = time.perf_counter()
         model, optimizer, loss_fn = unpack(load_build(spec)())
         built = time.perf_counter()
@@ -250,9 +251,9 @@ def run(spec: dict) -> dict:
                 optimizer = optimizer(model.parameters())
             # the first step records the order and makes the optimizer state; it is measured too
             like = spec["like"]
-            steps = [measured_step(model, optimizer, loss_fn, like, before) for _ in range(spec["warmup_steps"])]
+            steps = [measured_step(model, optimizer, loss_fn, like, earlier) for _ in range(spec["warmup_steps"])]
             plan = explain(model, optimizer)
-            result = _highest([*steps, measured_step(model, optimizer, loss_fn, like, before)])
+            result = _highest([*steps, measured_step(model, optimizer, loss_fn, like, earlier)])
         result.update(
             world_size=world,
             rank=rank,

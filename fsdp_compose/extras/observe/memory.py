@@ -13,12 +13,12 @@ A function of the model's facts (``extras_api.group_facts``) and the backend, no
   else at the end of backward) frees its unsharded parameters and prepares its reductions (rows cast or
   padded are copies, the gradients die; rows that are views keep them); issuing one builds the table (the
   rows die) and the output, and at most ``reduce_limit`` reductions stay in flight;
-- the backend (``BACKEND_HOLDS``, as the fake step counts it): a collective's transfer is over at its wait
-  or at the wait of a later collective of the same process group. NCCL keeps a reduce-scatter's input until
-  then. gloo copies it and frees the copy at its own wait, allocates an output-sized buffer while issuing an
-  all-gather and stages its output in another until the transfer is over; on gloo the runtime issues a
-  reduce-scatter after the next all-gather's handshake (a synchronous all-reduce: a wait) or at the end of
-  backward.
+- the backend (``BACKEND_HOLDS``, as the fake step counts it): a reduce-scatter's input (gloo: its copy of
+  it) and an all-gather's input apart from its output are held until the collective is waited; gloo also
+  allocates an output-sized buffer while issuing an all-gather and stages its output in another until the
+  transfer is over, at its wait or at the wait of a later collective of the same process group; and on
+  gloo the runtime issues a reduce-scatter after the next all-gather's handshake (a synchronous all-reduce:
+  a wait) or at the end of backward.
 
 It describes a step after the first (the first records the order and prefetches no forward gathers) with
 gradients set to ``None`` before it (``optimizer.zero_grad()``). Activations are not modelled.
@@ -43,20 +43,17 @@ _CATEGORY = {"unsharded": UNSHARDED_PARAMETERS, "grad": UNSHARDED_GRADIENTS, "ro
 
 @dataclass(frozen=True)
 class BackendHolds:
-    """What a backend keeps around a collective beyond the tensors the runtime passes it."""
+    """What a backend keeps around a collective beyond the tensors the runtime passes it. Every backend keeps a
+    reduce-scatter's input, and an all-gather's that is not part of its output (a slice kept after forward),
+    until the collective is waited: NCCL's work stashes them (``TORCH_NCCL_AVOID_RECORD_STREAMS=1``) or the
+    caching allocator holds them until the transfer, which is over by then; gloo's work holds them."""
 
-    reduce_input_until_transfer: bool  # NCCL reads the input until the transfer is over
-    reduce_input_copy: bool  # gloo copies it when issued and frees the copy at its own wait
-    gather_input_until_wait: bool  # an all-gather input apart from its output: gloo's work holds it (NCCL
-    # reads it until the transfer is over)
+    reduce_input_copy: bool  # gloo copies a reduce-scatter's input when issued (the input itself dies then)
     gather_staging: bool  # gloo: an output-sized buffer while issuing, another while the transfer runs
     reduce_after_handshake: bool  # the runtime's gloo path: a reduce-scatter waits for the next handshake
 
 
-BACKEND_HOLDS = {
-    "nccl": BackendHolds(True, False, False, False, False),
-    "gloo": BackendHolds(False, True, True, True, True),
-}
+BACKEND_HOLDS = {"nccl": BackendHolds(False, False, False), "gloo": BackendHolds(True, True, True)}
 
 
 @dataclass
@@ -198,14 +195,13 @@ class _Step:
         size, name = self.sizes[s], self.names[s]
         if self.holds.reduce_after_handshake:  # gloo's order check: a synchronous all-reduce first
             self.waited(None)
-        # re-gathered from the slice kept after forward (the backend holds it: NCCL reads it until the transfer
-        # is over, gloo's work keeps it), or from the shards (the input is the output's own row)
+        # re-gathered from the slice kept after forward (held until the wait), or from the shards (the input
+        # is the output's own row)
         collective = _Collective()
         gathered = size.kept_gathered if s in self.kept else size.gathered
         if s in self.kept:
             self.kept.discard(s)
-            held = collective.until_wait if self.holds.gather_input_until_wait else collective.until_transfer
-            held.append(("kept", s))
+            collective.until_wait.append(("kept", s))
         self.live.add(("gathered", s), gathered, f"all-gather {name}")
         if self.holds.gather_staging:
             self.live.spike(("issuing", s), gathered, f"all-gather {name}")
@@ -260,14 +256,12 @@ class _Step:
                 self.live.drop(("grad", id(p.parameter)))
             self.live.add(("output", s, i), output, where)
             collective = _Collective()
-            if self.holds.reduce_input_copy:
+            if self.holds.reduce_input_copy:  # gloo's copy is held; the table dies when issued
                 self.live.add(("copy", s, i), table, where)
                 collective.until_wait.append(("copy", s, i))
                 self.live.drop(("table", s, i))
-            elif self.holds.reduce_input_until_transfer:
-                collective.until_transfer.append(("table", s, i))
             else:
-                self.live.drop(("table", s, i))
+                collective.until_wait.append(("table", s, i))
             self.issued(("reduce", s, i), collective)
         self.reducing.append(s)
         while len(self.reducing) > self.reduce_limit:

@@ -153,16 +153,18 @@ class CollectiveTimeline(StorageTimeline):
     the backend ``like`` holds while a collective is in flight (the fake process group holds nothing and
     is done at once).
 
-    A collective's transfer is over at its wait (``waited``; failing that, when its output is next read), or
-    at the wait of a later collective of its process group (the ranks run a group's collectives in one
-    order, NCCL on one stream; on gloo the order check's handshake before each all-gather is such a wait).
-    ``like="nccl"``: each reduce-scatter's input, and an all-gather's that is not part of its output (a
-    slice kept after forward), stay alive until the transfer is over (NCCL reads them).
-    ``like="gloo"``: gloo copies each reduce-scatter's input when it is issued and frees the copy with the
-    work, at its own wait; its work holds an all-gather's input until then too; an all-gather allocates an
-    output-sized buffer while it is issued and stages the output in another while its transfer runs (when
-    exactly it ends depends on gloo's threads: counted to the latest end; ``settled_peak`` leaves them out). Counted as collective buffers no Python tensor holds, as the C allocator's own count of a real
-    gloo run shows them (``tests/extras/observe/test_never_low.py``). ``like=None``: nothing more.
+    Every backend keeps a reduce-scatter's input, and an all-gather's that is not part of its output (a slice
+    kept after forward), until the collective is waited (``waited``; failing that, until its output is next
+    read): NCCL's work stashes them (``TORCH_NCCL_AVOID_RECORD_STREAMS=1``) or the caching allocator holds
+    them until the transfer is over, which it is by then; gloo's work holds them, and it copies a
+    reduce-scatter's input when issued (the copy is held, the input dies). ``like="gloo"`` also counts what
+    gloo allocates for an all-gather: an output-sized buffer while it is issued, and a staging buffer while
+    the transfer runs, which is over at the wait or at the wait of a later collective of its process group
+    (the ranks run a group's collectives in one order; the order check's handshake before each all-gather
+    is one): when exactly depends on gloo's threads, so it counts to the latest end, and ``settled_peak``
+    leaves both out. These are counted as collective buffers no Python tensor holds, as the C allocator's
+    own count of a real gloo run shows them (``tests/extras/observe/test_never_low.py``). ``like=None``:
+    nothing more.
     ``inherited``: labels that pass from an operator's inputs to its new outputs (an unsharded
     gradient's copy in the reduce dtype is still that gradient)."""
 
@@ -235,13 +237,13 @@ class CollectiveTimeline(StorageTimeline):
             return
         held = self._held.setdefault(serial, [])
         if "reduce_scatter" in name:
-            if self.like == "nccl":  # read until the transfer ends
-                held.append((input, False))
+            if self.like == "nccl":  # the input, until the wait
+                held.append((input, True))
             else:  # gloo's copy, freed with the work
                 held.append((self._backend_buffer(input.untyped_storage().nbytes()), True))
         elif "allgather" in name:
             if input.untyped_storage() is not output.untyped_storage():  # e.g. a slice kept after forward
-                held.append((input, self.like == "gloo"))  # the backend reads it; gloo's work holds it
+                held.append((input, True))
             if self.like == "gloo":
                 nbytes = output.untyped_storage().nbytes()
                 self._close(self._backend_buffer(nbytes, timed=True))  # while the operator runs

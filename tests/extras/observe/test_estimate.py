@@ -89,7 +89,7 @@ def test_categories_are_the_tensors_they_name(estimates):
 
 def test_like_either_backend_agrees_with_explain(estimates):
     """``explain``'s replay counts what the fake step counts, like NCCL (``like="nccl"``, the default: each
-    reduce-scatter's input held until its transfer is over) and like gloo (its copies and staging buffers):
+    reduce-scatter's input held until its wait) and like gloo (its copies and staging buffers):
     the step's largest non-activation memory is explain's prediction."""
     e, gloo = estimates()[(2, 0, "fp32", "nccl")], estimates()[(2, 0, "fp32", "gloo")]
     for each in (e, gloo):
@@ -101,7 +101,7 @@ def test_like_either_backend_agrees_with_explain(estimates):
     assert gloo.peak_without_activations > e.peak_without_activations  # gloo's copies
     text = str(e)
     for line in (
-        "like nccl (reduce-scatter inputs held until their transfer is over)",
+        "like nccl (reduce-scatter inputs held until their wait)",
         "activations and temporaries",
         "explain() predicts",
         "blocks.1",
