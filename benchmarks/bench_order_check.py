@@ -3,7 +3,7 @@
     python benchmarks/bench_order_check.py [--steps 8]
 
 Builds bench_step.py's GPT three times from the same seed: FSDP_COMPOSE_CHECK_ORDER=0 (no check), the
-handshake before all-gathers only (gloo's default before issue 24), and the default (on gloo every
+order check before all-gathers only (gloo's default before issue 24), and the default (on gloo every
 all-gather and reduce-scatter agreed on); alternates their steps so machine load hits all alike and
 prints the median step time of each and their ratios.
 """
@@ -40,14 +40,14 @@ def _states(model):
 
 def build(mode: str):
     """``mode``: a FSDP_COMPOSE_CHECK_ORDER value, or "all-gathers" (the default before issue 24 on gloo:
-    handshakes before all-gathers only, so divergence in backward could still reach gloo's abort)."""
+    order checks before all-gathers only, so divergence in backward could still reach gloo's abort)."""
     from fsdp_compose._runtime import handshake
 
     os.environ["FSDP_COMPOSE_CHECK_ORDER"] = "1" if mode == "all-gathers" else mode
-    kinds = handshake.handshake_kinds
+    kinds = handshake.checked_kinds
     if mode == "all-gathers":  # read when fully_shard builds each group
         all_gathers = frozenset((handshake.ALL_GATHER,))
-        handshake.handshake_kinds = lambda: (all_gathers, all_gathers)
+        handshake.checked_kinds = lambda: (all_gathers, all_gathers)
     try:
         torch.manual_seed(0)
         model = GPT(CONFIG)
@@ -55,7 +55,7 @@ def build(mode: str):
             fully_shard(block)
         fully_shard(model)
     finally:
-        handshake.handshake_kinds = kinds
+        handshake.checked_kinds = kinds
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
@@ -76,22 +76,22 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             optimizer.zero_grad()
             if step:  # the first step is warm-up
                 times[mode].append(time.perf_counter() - started)
-    # the handshake alone, for a bound that machine noise cannot blur: latency x count per step
+    # the order check alone, for a bound that machine noise cannot blur: latency x count per step
     from fsdp_compose._runtime import handshake
-    from fsdp_compose._checks.order import ALL_GATHER, Handshakes
+    from fsdp_compose._checks.order import ALL_GATHER, OrderCheck
 
-    kinds = handshake.handshake_kinds
-    handshake.handshake_kinds = lambda: (frozenset((ALL_GATHER,)), frozenset((ALL_GATHER,)))
+    kinds = handshake.checked_kinds
+    handshake.checked_kinds = lambda: (frozenset((ALL_GATHER,)), frozenset((ALL_GATHER,)))
     try:
-        handshakes = Handshakes(1, torch.device("cpu"))
+        order_check = OrderCheck(1, torch.device("cpu"))
     finally:
-        handshake.handshake_kinds = kinds
+        handshake.checked_kinds = kinds
     dist.barrier()
     started = time.perf_counter()
     for _ in range(200):
-        handshakes.check(ALL_GATHER, 1024, dist.group.WORLD)
+        order_check.check(ALL_GATHER, 1024, dist.group.WORLD)
     latency = (time.perf_counter() - started) / 200
-    bare = {}  # what a handshake's collective costs alone: a round's all-reduce, beside an all-gather
+    bare = {}  # what a order check's collective costs alone: a round's all-reduce, beside an all-gather
     entry, rows = torch.zeros(6, dtype=torch.int64), torch.zeros(6 * world_size, dtype=torch.int64)
     for name, run in (("all_reduce", lambda: dist.all_reduce(entry)),
                       ("all_gather", lambda: all_gather_single(rows, entry))):
@@ -102,7 +102,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         bare[name] = (time.perf_counter() - started) / 200
     gathers = sum(s.group.stats.all_gathers for s in _states(runs["1"][0])) / (args.steps + 1)
     if rank == 0:
-        print(f"one handshake: {latency * 1e6:.0f} us; {gathers:.0f} all-gathers per step -> "
+        print(f"one order check: {latency * 1e6:.0f} us; {gathers:.0f} all-gathers per step -> "
               f"{latency * gathers * 1e3:.2f} ms per step added by the default mode")
         print(f"bare 48-byte collectives: all_reduce {bare['all_reduce'] * 1e6:.0f} us, "
               f"all_gather {bare['all_gather'] * 1e6:.0f} us")

@@ -162,7 +162,7 @@ def world_compare(args) -> None:
     torch's fake backend costs host time per all-gather and reduce-scatter that grows with the
     world size (it writes the input into every rank's slot, one copy per rank); the null backend
     costs the same at any size, so its figures are what each library itself does. ``ours,nochk``
-    shows what the divergence handshake adds."""
+    shows what the divergence order check adds."""
     kinds = ["torch", "ours", "ours,nochk"]
     sizes = [args.world_size] + [int(w) for w in args.large_world_size.split(",")]
     print(f"(e) {args.large_groups} groups of Linear({args.dim},{args.dim}) + root, step (ms) by world size, "

@@ -1,7 +1,7 @@
 """Benchmark (a), (c), (d): step time, peak memory and bytes moved on real gloo ranks.
 
     python benchmarks/bench_step.py            # ws 2, GPT ~34M params, batch 4x128, 1 thread/rank
-    python benchmarks/bench_step.py --check-off   # also ours without the divergence handshake: its cost
+    python benchmarks/bench_step.py --check-off   # also ours without the divergence order check: its cost
     python benchmarks/bench_step.py --transport-shm   # also ours through fsdp_compose_shm.use_shm
     python benchmarks/bench_step.py --quantized int8  # also bf16 mixed precision: torch, ours, ours with
                                                       # quantize_all_gather, compute-only in bf16 (issue 25)
@@ -144,8 +144,8 @@ class SegmentBlindTracker(StorageTracker):
         super()._see(t)
 
 
-def time_handshakes() -> dict:
-    """From now on, add up the time this rank spends in divergence handshakes: the ledger's rounds
+def time_order_checks() -> dict:
+    """From now on, add up the time this rank spends in divergence order checks: the collective log's rounds
     (on gloo one before each all-gather, its 48-byte all-reduce, wait and verdict); only ours in
     the default mode runs them. CPU
     time is their own work; wall time also holds the wait for the other rank, which under load is
@@ -153,23 +153,23 @@ def time_handshakes() -> dict:
     loose upper bound."""
     import time
 
-    from fsdp_compose._checks.order import Ledger
+    from fsdp_compose._checks.order import CollectiveLog
 
     spent = {"seconds": 0.0, "cpu": 0.0, "calls": 0}
-    original = Ledger.close_round
+    original = CollectiveLog.close_round
 
-    def timed(ledger):
-        if not ledger.log:  # nothing to agree on: no collective
-            return original(ledger)
+    def timed(collective_log):
+        if not collective_log.log:  # nothing to agree on: no collective
+            return original(collective_log)
         start, cpu = time.perf_counter(), time.thread_time()
         try:
-            return original(ledger)
+            return original(collective_log)
         finally:
             spent["seconds"] += time.perf_counter() - start
             spent["cpu"] += time.thread_time() - cpu
             spent["calls"] += 1
 
-    Ledger.close_round = timed
+    CollectiveLog.close_round = timed
     return spent
 
 
@@ -202,7 +202,7 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
         results[kind]["live"] = step.tracked_peak(args.batch_size)
         results[kind]["segments"] = segment_bytes()  # only OURS_SHM makes segments; they never shrink
         results[kind]["step"] = step
-    handshakes = time_handshakes()
+    order_check = time_order_checks()
     for round_ in range(args.rounds):
         for kind in kinds if round_ % 2 == 0 else kinds[::-1]:  # alternate who goes first
             dist.barrier()
@@ -213,9 +213,9 @@ def rank_main(rank: int, world_size: int, port: int, args) -> None:
             results[kind]["cpu"].append((time.process_time() - cpu_start) / args.steps_per_round)
     for kind in kinds:
         del results[kind]["step"]
-    with_handshakes = 2 if args.transport_shm else 1  # ours and ours-shm run them
-    with_handshakes += 2 if args.quantized else 0  # and ours-bf16, ours-bf16-quantized
-    results["handshakes"] = dict(handshakes, steps=args.rounds * args.steps_per_round * with_handshakes)
+    with_order_checks = 2 if args.transport_shm else 1  # ours and ours-shm run them
+    with_order_checks += 2 if args.quantized else 0  # and ours-bf16, ours-bf16-quantized
+    results["order checks"] = dict(order_check, steps=args.rounds * args.steps_per_round * with_order_checks)
     gathered = [None] * world_size
     dist.all_gather_object(gathered, results)
     if rank == 0:
@@ -253,7 +253,7 @@ def report(per_rank, world_size: int, args) -> None:
         off = statistics.median(per_rank[0][OURS_UNCHECKED]["times"])
         rounds = per_rank[0]["ours"]["times"], per_rank[0][OURS_UNCHECKED]["times"]
         paired = statistics.median(a / b for a, b in zip(*rounds))
-        print(f"(f) divergence handshake (issue 12): ours default {t['ours']:.3f}s  checks off {off:.3f}s  "
+        print(f"(f) divergence order check (issue 12): ours default {t['ours']:.3f}s  checks off {off:.3f}s  "
               f"default/off = {t['ours'] / off:.4f} (ratio of medians), {paired:.4f} (median of per-round "
               "ratios); target <= 1.02")
         off_cpu = statistics.median(per_rank[0][OURS_UNCHECKED]["cpu"])
@@ -261,10 +261,10 @@ def report(per_rank, world_size: int, args) -> None:
               f"{cpu['ours']:.3f}  off {off_cpu:.3f}  default/off = {cpu['ours'] / off_cpu:.4f}")
     if args.transport_shm:
         print_shm(per_rank, t, cpu, live, mib)
-    spent = per_rank[0]["handshakes"]
+    spent = per_rank[0]["order checks"]
     per_step = spent["seconds"] / spent["steps"]
     cpu = spent["cpu"] / spent["steps"]
-    print(f"    inside handshakes (rank 0), {spent['calls'] / spent['steps']:.0f} per step: CPU {cpu * 1e3:.2f} ms "
+    print(f"    inside order checks (rank 0), {spent['calls'] / spent['steps']:.0f} per step: CPU {cpu * 1e3:.2f} ms "
           f"per step = {cpu / t['ours']:.3%} of ours' median step; wall {per_step * 1e3:.2f} ms "
           f"= {per_step / t['ours']:.2%} (includes waiting for the other rank)")
     ours_losses, torch_losses = per_rank[0]["ours"]["losses"], per_rank[0]["torch"]["losses"]

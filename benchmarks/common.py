@@ -37,14 +37,14 @@ def count_bytes():
 
     Counted where the collectives reach the process group (``ProcessGroup.all_gather_single``,
     which ``dist.all_gather_single`` calls and fsdp_compose calls directly), leaving out
-    fsdp_compose's order-check handshake and shared-memory syncs, which move no parameter data."""
+    fsdp_compose's order check and shared-memory syncs, which move no parameter data."""
     totals = {"gather": 0, "scatter": 0, "gather_calls": 0, "scatter_calls": 0}
     originals = {name: getattr(ProcessGroup, name) for name in COUNTED}
     raw = {name: vars(ProcessGroup)[name] for name in COUNTED}  # what restoring needs (pybind)
 
     def wrap(name, kind):
         def call(group, output, input, *args, **kwargs):
-            if not sys._getframe(1).f_code.co_filename.endswith(("handshake.py", "fsdp_compose_shm/__init__.py")):
+            if not sys._getframe(1).f_code.co_filename.endswith(("_checks/order.py", "fsdp_compose_shm/__init__.py")):
                 world = group.size()
                 tensor = output if kind == "gather" else input
                 totals[kind] += tensor.numel() * tensor.element_size() * (world - 1) // world

@@ -67,6 +67,8 @@ _EXTRAS = {
     "load_pretrained": ("fsdp_compose.extras.pretrained", "load_pretrained"),
     "save_pretrained": ("fsdp_compose.extras.pretrained", "save_pretrained"),
     "PretrainedCheckpointError": ("fsdp_compose.extras.pretrained", "PretrainedCheckpointError"),
+    "FaultTolerance": ("fsdp_compose.extras.fault_tolerance", "FaultTolerance"),
+    "FaultToleranceError": ("fsdp_compose.extras.fault_tolerance", "FaultToleranceError"),
 }
 
 
@@ -117,6 +119,8 @@ __all__ = [
     "load_pretrained",
     "save_pretrained",
     "PretrainedCheckpointError",
+    "FaultTolerance",
+    "FaultToleranceError",
     "explain",
     "estimate",
     "Estimate",

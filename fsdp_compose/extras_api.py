@@ -8,7 +8,8 @@ full value into its shard), ``ScratchSchedule`` (``explain`` replays a step on t
 functions, on scratch state, never a model's), ``unsharded_bytes`` and ``unsharded_parameters`` (what a measured
 step holds unsharded), and, exported as the core names them: ``raise_together`` (every rank raises the same
 error, or none does), putting idle groups back in sharded form (``reshard_idle``), a parameter's gather codec
-(``set_gather_codec``), the row geometry (``row_layout``), and for a transport (``fsdp_compose_shm``) the default
+(``set_gather_codec``), the row geometry (``row_layout``), the user's class behind ``fully_shard``'s subclass (``user_class``), and
+for a transport (``fsdp_compose_shm``) the default
 collectives it falls back to and how a collective is issued and waited. Names with a leading underscore are the
 port's own; the extras use none (``tests/meta/test_architecture.py`` checks). Whatever an extra needs of the
 core is added here.
@@ -42,6 +43,7 @@ from ._runtime.state import (
     owner_of as _owner_of,
     state_of as _state_of,
     states_in as _states_in,
+    user_class,
 )
 from .whole_model.model_groups import reshard_idle
 

@@ -3,11 +3,17 @@
 Workers are spawned once per world size and reused (importing torch costs seconds per
 process). Any failure or time-out kills every worker of that pool, so the next test starts
 from clean processes and no test can hang the suite.
+
+Every deadline in the tests is a hang detector, never a performance bound: ``hang_timeout()``
+gives it (10 minutes by default, far beyond what any case needs on a loaded 2-core machine),
+times ``FSDP_COMPOSE_TIMEOUT_SCALE`` (e.g. 0.2 to find a hang sooner, 3 on a very slow machine).
+A failing rank still ends its peers within seconds (below), so only a real hang waits that long.
 """
 
 from __future__ import annotations
 
 import atexit
+import datetime
 import faulthandler
 import os
 import queue
@@ -20,7 +26,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-DEFAULT_TIMEOUT_S = 120.0
+TIMEOUT_SCALE = float(os.environ.get("FSDP_COMPOSE_TIMEOUT_SCALE", "1"))
+
+
+def hang_timeout(seconds: float = 600.0) -> float:
+    """A deadline that only a hang reaches: ``seconds`` times ``FSDP_COMPOSE_TIMEOUT_SCALE``."""
+    return seconds * TIMEOUT_SCALE
+
+
+DEFAULT_TIMEOUT_S = hang_timeout()
 # Workers return freed tensors' memory to the OS at once, so RSS-based memory tests measure
 # live bytes rather than allocator caching (read by glibc when each worker starts).
 os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -34,7 +48,7 @@ def _worker(rank: int, world_size: int, port: int, tasks, results) -> None:
     faulthandler.enable(all_threads=True)  # a crash (e.g. SIGSEGV) prints every thread's Python stack to stderr
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=__import__("datetime").timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=hang_timeout()))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     while True:
         task = tasks.get()

@@ -1,7 +1,7 @@
 """Ranks agree on the collectives they run, and every rank raises the same error when they do not.
 
-A handshake issues nothing by itself: it appends (group id, kind, bytes) to its process group's
-ledger and folds it into a digest. Closing a round, one all-reduce (max) of (magic, count, digest)
+A order check issues nothing by itself: it appends (group id, kind, bytes) to its process group's
+collective log and folds it into a digest. Closing a round, one all-reduce (max) of (magic, count, digest)
 and their negations, 48 bytes at any world size, tells every rank whether all logged the same; on
 a mismatch ranks exchange their logs and raise ``ExecutionOrderError`` naming the first difference.
 
@@ -42,7 +42,7 @@ BACKWARD_HINT = (
     "skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)"
 )
 FOUND_LATE = (
-    "\n(on this backend the handshakes are compared on the device and judged when a step's backward ends, "
+    "\n(on this backend the order checks are compared on the device and judged when a step's backward ends, "
     "so the collectives after the first difference already ran)"
 )
 SLOTS = 256  # collectives per round at most: a round closes early when its log is full
@@ -63,13 +63,13 @@ def check_mode() -> str:
     return mode
 
 
-def handshake_kinds() -> tuple[frozenset[int], frozenset[int]]:
-    """Which collectives get a handshake, from ``FSDP_COMPOSE_CHECK_ORDER``: (on every backend, on gloo),
+def checked_kinds() -> tuple[frozenset[int], frozenset[int]]:
+    """Which collectives get a order check, from ``FSDP_COMPOSE_CHECK_ORDER``: (on every backend, on gloo),
     the second holding the first.
 
-    On gloo all of them unless the check is off: judged before the collective, the handshake keeps a
+    On gloo all of them unless the check is off: judged before the collective, the order check keeps a
     divergence from reaching gloo's abort. HSDP's all-reduce everywhere: replicas never meet in a shard
-    group's handshake, and replicas that ran equally sized modules in another order would otherwise
+    group's order check, and replicas that ran equally sized modules in another order would otherwise
     sum different groups' gradients without a word."""
     mode = check_mode()
     if mode == "0":
@@ -84,15 +84,15 @@ def collective_text(uid: int, kind: int, nbytes: int, name_of: Callable[[int], s
 
 
 class Entry:
-    """One recurring handshake: the collective it names, and the ledger it is logged in."""
+    """One recurring order check: the collective it names, and the collective log it is logged in."""
 
-    __slots__ = ("uid", "kind", "nbytes", "ledger")
+    __slots__ = ("uid", "kind", "nbytes", "collective_log")
 
-    def __init__(self, uid: int, kind: int, nbytes: int, ledger: Ledger) -> None:
-        self.uid, self.kind, self.nbytes, self.ledger = uid, kind, nbytes, ledger
+    def __init__(self, uid: int, kind: int, nbytes: int, collective_log: CollectiveLog) -> None:
+        self.uid, self.kind, self.nbytes, self.collective_log = uid, kind, nbytes, collective_log
 
 
-class Ledger:
+class CollectiveLog:
     """One process group's log of the current round, and the verdict of the previous one. ``before_each``
     (gloo): rounds close before each collective, on the CPU, except that reduce-scatters wait for the next."""
 
@@ -171,10 +171,10 @@ def disagreement(mine: torch.Tensor, groups: tuple, name: str | Callable[[], str
 def _round_name(last: Entry, before_each: bool, name_of: Callable[[int], str]) -> str:
     """Names a round whose all-reduce failed (built only then; on gloo a reduce-scatter last in the log waits)."""
     if not before_each:
-        return "the handshake when backward ends"
+        return "the order check when backward ends"
     if last.kind == REDUCE_SCATTER:
-        return "the handshake before the waiting reduce-scatters"
-    return f"the handshake before the {KINDS[last.kind]} of {name_of(last.uid)}"
+        return "the order check before the waiting reduce-scatters"
+    return f"the order check before the {KINDS[last.kind]} of {name_of(last.uid)}"
 
 
 def _first_difference(logs: list[list[tuple[int, int, int]]], ranks: list[int], name_of: Callable[[int], str]) -> str:
@@ -197,86 +197,86 @@ def _first_difference(logs: list[list[tuple[int, int, int]]], ranks: list[int], 
     )
 
 
-class Ledgers:
-    """Every process group's ledger of one root (one model): closed together when a step ends."""
+class CollectiveLogs:
+    """Every process group's collective log of one root (one model): closed together when a step ends."""
 
     def __init__(self) -> None:
-        self.by_group: dict[object, Ledger] = {}
+        self.by_group: dict[object, CollectiveLog] = {}
 
-    def ledger(self, group, device: torch.device, before_each: bool = False) -> Ledger:
-        """``group``'s ledger, agreeing on ``device`` from its next round (a moved model keeps its log
+    def collective_log(self, group, device: torch.device, before_each: bool = False) -> CollectiveLog:
+        """``group``'s collective log, agreeing on ``device`` from its next round (a moved model keeps its log
         and its previous round's unread verdict)."""
-        ledger = self.by_group.setdefault(group, Ledger(group, device, before_each))
-        ledger.device = device
-        return ledger
+        collective_log = self.by_group.setdefault(group, CollectiveLog(group, device, before_each))
+        collective_log.device = device
+        return collective_log
 
     def awaiting(self) -> bool:
         """Whether a gloo round holds logged reduce-scatters: they are issued once it closes (``flush``)."""
-        return any(ledger.before_each and ledger.log for ledger in self.by_group.values())
+        return any(collective_log.before_each and collective_log.log for collective_log in self.by_group.values())
 
     def flush(self) -> None:
         """Close the gloo rounds that hold logged reduce-scatters, so that they may be issued."""
-        for ledger in self.by_group.values():
-            if ledger.before_each and ledger.log:
-                ledger.close_round()
+        for collective_log in self.by_group.values():
+            if collective_log.before_each and collective_log.log:
+                collective_log.close_round()
 
     def close_round(self) -> None:
-        for ledger in list(self.by_group.values()):
-            ledger.close_round()
+        for collective_log in list(self.by_group.values()):
+            collective_log.close_round()
 
     def forget(self) -> None:
-        for ledger in self.by_group.values():
-            ledger.forget()
+        for collective_log in self.by_group.values():
+            collective_log.forget()
 
 
 def _unknown_group(uid: int) -> str:
     return f"<group {uid}, before its first forward>"
 
 
-class Handshakes:
-    """One group's handshakes, cached per (kind, bytes, process group): the ``kinds`` pair of
-    ``handshake_kinds`` (every backend, gloo), logged in the root's ``ledgers``."""
+class OrderCheck:
+    """One group's order checks, cached per (kind, bytes, process group): the ``kinds`` pair of
+    ``checked_kinds`` (every backend, gloo), logged in the root's ``collective logs``."""
 
     def __init__(self, uid: int, device: torch.device) -> None:
         self.uid = uid
-        self.everywhere, self.on_gloo = handshake_kinds()  # kinds checked on every backend, and on gloo
+        self.everywhere, self.on_gloo = checked_kinds()  # kinds checked on every backend, and on gloo
         self.device = device
         self.name_of: Callable[[int], str] = _unknown_group  # names any group by its uid (messages name other ranks')
         self._entries: dict[tuple[int, int, object], Entry | None] = {}
-        self.ledgers = Ledgers()  # this group's own until the root's replaces it (``use_ledgers``)
+        self.collective_logs = CollectiveLogs()  # this group's own until the root's replaces it (``use_ledgers``)
 
     def refresh(self, device: torch.device) -> None:
         if device != self.device:
             self.device = device
             self._entries.clear()
 
-    def use_ledgers(self, ledgers: Ledgers, name_of: Callable[[int], str]) -> None:
-        """Record into the root's ledgers from now on, naming groups through the root, after judging what
+    def use_logs(self, collective_logs: CollectiveLogs, name_of: Callable[[int], str]) -> None:
+        """Record into the root's collective logs from now on, naming groups through the root, after judging what
         this group recorded alone."""
         self.name_of = name_of
-        if ledgers is not self.ledgers:
-            self.ledgers.close_round()
-            self.ledgers = ledgers
+        if collective_logs is not self.collective_logs:
+            self.collective_logs.close_round()
+            self.collective_logs = collective_logs
             self._entries.clear()
 
     def check(self, kind: int, nbytes: int, group) -> None:
         """Log this collective before it is issued. On gloo the round closes at once (``ExecutionOrderError``
         on every rank unless all agree), except after a reduce-scatter: the schedule issues it once the next
-        round on its process group closed (``Ledgers.flush``), which then covers both. See [Note: gloo
+        round on its process group closed (``CollectiveLogs.flush``), which then covers both. See [Note: gloo
         reduce-scatter deferral] in ``schedule.py``."""
         if kind not in self.on_gloo:  # checked on no backend
             return
         key = (kind, nbytes, group)
         entry = self._entries.get(key, False)
-        if entry is False:  # first seen: whether it has a handshake here, and in which ledger
+        if entry is False:  # first seen: whether it has a order check here, and in which collective log
             gloo = dist.get_backend(group) == "gloo"
             entry = None
             if group.size() > 1 and kind in (self.on_gloo if gloo else self.everywhere):
                 device = torch.device("cpu") if gloo else self.device  # gloo: judged on the host
-                entry = Entry(self.uid, kind, nbytes, self.ledgers.ledger(group, device, before_each=gloo))
+                entry = Entry(self.uid, kind, nbytes, self.collective_logs.collective_log(group, device, before_each=gloo))
             self._entries[key] = entry
         if entry is not None:
-            ledger = entry.ledger
-            ledger.record(entry, self.name_of)
-            if ledger.before_each and kind != REDUCE_SCATTER:
-                ledger.close_round()
+            collective_log = entry.collective_log
+            collective_log.record(entry, self.name_of)
+            if collective_log.before_each and kind != REDUCE_SCATTER:
+                collective_log.close_round()

@@ -5,7 +5,7 @@ Each rank's shard is cut from its own copy of a parameter, so ranks that built d
 mix of several initialisations, in silence (torch's FSDP2 too). ``fully_shard`` is the one moment
 every rank still holds a whole copy: it compares each parameter's float64 sum and sum of squares
 across the data-parallel ranks as the divergence check compares its rounds
-(``handshake.disagreement``), and only records the verdict. Building a model without a seed and
+(``order.disagreement``), and only records the verdict. Building a model without a seed and
 loading a checkpoint after sharding is right, so the error waits for the root's first forward
 (lazy init) and names only the parameters whose shards no rank wrote since (a load through
 ``load_state_dict``, DCP, ``set_model_state_dict`` or ``load_checkpoint``, an in-place init under
@@ -61,7 +61,7 @@ def unequal_values(owner: str, params: dict[str, torch.Tensor], mesh: DeviceMesh
 
 def differ_across_ranks(values: list[torch.Tensor], mesh: DeviceMesh, device: torch.device, name: str) -> list[bool]:
     """For each of ``values``, whether the ranks of ``mesh`` hold different ones (their ``_fingerprint``s
-    compared as ``handshake.disagreement`` compares its rounds): one all-reduce per mesh dim, the same
+    compared as ``order.disagreement`` compares its rounds): one all-reduce per mesh dim, the same
     answer on every rank. The weights check compares parameters; the optimizer check, gradients."""
     with torch.no_grad():
         prints = torch.stack([_fingerprint(v, device) for v in values]).flatten()

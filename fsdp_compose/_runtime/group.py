@@ -22,7 +22,7 @@ from .collectives import (
     labelled,
     reduce_scatter_rows,
 )
-from .._checks.order import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, Handshakes
+from .._checks.order import ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, OrderCheck
 from .._torch_workarounds.functorch import outside_transforms
 from .param_grad import accumulate_grad, clear_unsharded_grad, padded_grad_rows, unsharded_grad
 from .params import ShardedParam
@@ -97,8 +97,8 @@ class ParamGroup:
         self.class_name = class_name  # the user's class of the call's first module
         self.fqn: str | None = None  # its name in the model, and which mesh when a call has several: set by lazy init
         self.mesh_text = ""
-        self.uid = new_uid()  # the n-th group built on this rank: the handshakes' id, as on every rank
-        self.handshakes = Handshakes(self.uid, device)
+        self.uid = new_uid()  # the n-th group built on this rank: the order checks' id, as on every rank
+        self.order_check = OrderCheck(self.uid, device)
         self.params = params
         self.trainable = [p for p in params if p.requires_grad]
         self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
@@ -116,7 +116,7 @@ class ParamGroup:
         self.dp_size = mesh.size()
         self._partial: dict[torch.dtype, torch.Tensor] = {}  # HSDP sums kept while all-reduce is off
         self.post_forward = post_forward
-        self._kept: torch.Tensor | None = None
+        self.post_forward_slice: torch.Tensor | None = None
         self.layout = GatherLayout([w for p in params for w in p.form.widths()], self.world_size)
         self._extension_layout = False  # ``layout`` has a column per extension input (see start_unshard)
         self.stats = CommStats()
@@ -132,7 +132,7 @@ class ParamGroup:
         replaced = replaced or {}
         for p in self.params:
             self.device = p.refresh(*replaced.get(p, ()))
-        self.handshakes.refresh(self.device)
+        self.order_check.refresh(self.device)
         self._all_present.clear()
         if not replaced:
             return
@@ -140,7 +140,7 @@ class ParamGroup:
         self._reduce_plan = None
         self.layout = GatherLayout([w for p in self.params for w in p.form.widths()], self.world_size)
         self._partial.clear()
-        self._kept = None
+        self.post_forward_slice = None
 
     # ----- unshard / reshard ------------------------------------------------------------
     @outside_transforms
@@ -152,8 +152,8 @@ class ParamGroup:
                 self.is_unsharded = True
             return
         with grad_off():
-            if self._kept is not None:  # within the small group, from the slice kept after forward
-                pieces, self._kept = [self._kept], None
+            if self.post_forward_slice is not None:  # within the small group, from the slice kept after forward
+                pieces, self.post_forward_slice = [self.post_forward_slice], None
                 rows, group = self.post_forward
                 layout = GatherLayout([size * self.world_size // rows for size in self.layout.sizes], rows)
                 rank = self.rank % rows  # in the small group (consecutive ranks)
@@ -169,7 +169,7 @@ class ParamGroup:
                         self.layout = GatherLayout(widths, self.world_size)
                     self._extension_layout = extended
                 layout, group, rows, rank = self.layout, self.process_group, self.world_size, self.rank
-            self.handshakes.check(ALL_GATHER, layout.total, group)
+            self.order_check.check(ALL_GATHER, layout.total, group)
             with labelled("all_gather", self):  # copies the pieces into this rank's row, then issues
                 work, gathered = all_gather_flat(
                     pieces, layout, group, self.stats, self.settings.all_gather, rank, layout.total
@@ -202,23 +202,25 @@ class ParamGroup:
                 pending.finish()
 
     def unshard(self) -> None:
-        self.start_unshard()
+        if self.pending_unshard is None:  # else prefetched (the usual case): start_unshard would return at once
+            self.start_unshard()
         self.wait_unshard()
 
     @outside_transforms
     def reshard(self, after_forward: bool = False) -> None:
         """Free the unsharded storage and register the shards again (``after_forward`` with a post-forward
         group keeps this rank's N-way slice for backward)."""
-        self.wait_unshard()
+        if self.pending_unshard is not None:  # a prefetched all-gather nothing used
+            self.wait_unshard()
         if not after_forward:
-            self._kept = None
+            self.post_forward_slice = None
         if not self.is_unsharded:
             return
         # (an unsharded group kept no slice: its all-gather took it)
         if after_forward and self.post_forward is not None and self.params:  # an empty group keeps nothing
             ranks, index = self.post_forward.ranks, self.rank % self.post_forward.ranks  # this rank's N-way slice
             with grad_off():
-                self._kept = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.form.rows(p)])
+                self.post_forward_slice = torch.cat([t.view(ranks, -1)[index] for p in self.params for t in p.form.rows(p)])
         for p in self.params:
             p.use(unsharded=False)
             p.form.free()
@@ -226,13 +228,13 @@ class ParamGroup:
 
     def unsharded_nbytes(self) -> int:
         """Bytes held for unsharded use now: gathered parameters, or the post-forward slice."""
-        kept = self._kept.numel() if self._kept is not None else 0
+        kept = self.post_forward_slice.numel() if self.post_forward_slice is not None else 0
         return kept + sum(p.form.nbytes() for p in self.params)
 
     # ----- gradients --------------------------------------------------------------------
     def start_reduce(self, all_reduce: bool = True) -> list[PendingReduce]:
         """Prepare the reduce-scatter of every trainable parameter's unsharded gradient, one per dtype, and
-        return them as records the schedule issues (``issue_reduce``; on gloo after the next handshake: see
+        return them as records the schedule issues (``issue_reduce``; on gloo after the next order check: see
         [Note: gloo reduce-scatter deferral] in ``schedule.py``).
 
         A parameter without a gradient here sends zeros and a flag, so ranks issue the same collectives
@@ -257,7 +259,7 @@ class ParamGroup:
                 rows.append(self._flag_rows(dtype, present, all_present))
                 pre, post = divide_factors(dtype, self.world_size, self.dp_size, settings.gradient_divide_factor)
                 accumulate_all = all_present or not self._reads_flags(group)
-                self.handshakes.check(REDUCE_SCATTER, reduction.row_bytes, group)
+                self.order_check.check(REDUCE_SCATTER, reduction.row_bytes, group)
                 reductions.append(
                     PendingReduce(params, rows, group, pre, post, all_reduce, accumulate_all, tuple(present))
                 )
@@ -305,7 +307,7 @@ class ParamGroup:
                 self._partial[reduced.dtype] = reduced
                 return
             with labelled("all_reduce", self):
-                self.handshakes.check(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
+                self.order_check.check(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
         if reduce.accumulate_all:
             received = None
@@ -355,7 +357,7 @@ class ParamGroup:
         self.wait_unshard()
         self.wait_reduces(discard=True)
         self._partial.clear()
-        self.handshakes.ledgers.forget()
+        self.order_check.collective_logs.forget()
         self.reshard()  # drops a kept post-forward slice too
         for p in self.params:
             clear_unsharded_grad(p)

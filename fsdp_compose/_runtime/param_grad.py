@@ -62,6 +62,8 @@ def padded_grad_rows(p: ShardedParam, grad: torch.Tensor | None) -> torch.Tensor
     rows, dtype = p.row_layout, p.layout.reduce_dtype
     if grad is None:
         return torch.zeros(rows.world, rows.padded_numel, dtype=dtype, device=p.layout.compute_device)
+    if not rows.shard_dim and grad.dtype == dtype and grad.numel() == rows.world * rows.padded_numel:
+        return grad.reshape(rows.world, rows.padded_numel)  # the usual case: one view, no copy, no call of ours
     return rows.pad_rows(rows.to_comm(grad).to(dtype))
 
 

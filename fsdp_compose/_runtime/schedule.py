@@ -127,18 +127,18 @@ def _name(order: list[GroupState], index: int) -> str:
 
 def queue_reductions(root: RootState, state: GroupState, reductions: list[PendingReduce]) -> None:
     """Issue ``state``'s reduce-scatters now, or, while a gloo round holds logged ones, after it closes: the
-    next all-gather's handshake (``issue_reductions`` follows it) or the end of backward covers them.
+    next all-gather's order check (``issue_reductions`` follows it) or the end of backward covers them.
     See [Note: gloo reduce-scatter deferral]."""
     root.unissued.append((state, reductions))
-    if not root.ledgers.awaiting():
-        issue_reductions(root, flush=False)  # no round to close: no second scan of the ledgers
+    if not root.collective_logs.awaiting():
+        issue_reductions(root, flush=False)  # no round to close: no second scan of the collective logs
 
 
 # [Note: gloo reduce-scatter deferral]
-# On gloo each collective is logged in its process group's ledger (``handshake.py``) and the round is closed,
+# On gloo each collective is logged in its process group's collective log (``_checks/order.py``) and the round is closed,
 # an agreement among the ranks, before the collective is issued: ranks that disagree raise
 # ``ExecutionOrderError`` instead of hanging inside it. A reduce-scatter's round is left open, so that the next
-# handshake on its process group (the next all-gather's, or ``Ledgers.flush`` at the end of backward) covers
+# order check on its process group (the next all-gather's, or ``CollectiveLogs.flush`` at the end of backward) covers
 # both in one agreement; until that round closes, the reduce-scatter waits here in ``root.unissued``. Off gloo
 # the rounds close at the end of backward and reduce-scatters are issued at once.
 
@@ -149,7 +149,7 @@ def issue_reductions(root: RootState, flush: bool = True) -> None:
     if not root.unissued:
         return
     if flush:
-        root.ledgers.flush()
+        root.collective_logs.flush()
     queued, root.unissued = root.unissued, []
     for state, reductions in queued:
         for reduction in reductions:

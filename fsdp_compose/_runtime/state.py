@@ -13,7 +13,7 @@ from enum import IntEnum
 from torch import nn
 
 from .group import ParamGroup
-from .._checks.order import Ledgers
+from .._checks.order import CollectiveLogs
 from .settings import GroupSettings
 
 
@@ -96,7 +96,7 @@ class RootState:
     prefetch_limit: int = 1  # all-gathers in flight ahead of the running group
     reduce_limit: int = 2  # reduce-scatters in flight before the oldest is waited for
     reducing: list[GroupState] = field(default_factory=list)
-    # reduce-scatters prepared but not issued yet: on gloo they wait for the next handshake (schedule.py)
+    # reduce-scatters prepared but not issued yet: on gloo they wait for the next order check (schedule.py)
     unissued: list[tuple[GroupState, list]] = field(default_factory=list)
     # execution order (see schedule.py)
     forward_order: dict[GroupState, None] = field(default_factory=dict)  # first calls, in order
@@ -106,8 +106,8 @@ class RootState:
     reference_index: dict[GroupState, int] = field(default_factory=dict)
     reference_final: bool = False  # the first step ended: later steps are compared with its order
     warned_order_change: bool = False
-    # every process group's handshake log (handshake.py): closed on gloo before each collective, else at backward end
-    ledgers: Ledgers = field(default_factory=Ledgers)
+    # every process group's collective log (_checks/order.py): closed on gloo before each collective, else at backward end
+    collective_logs: CollectiveLogs = field(default_factory=CollectiveLogs)
     # a gradient-only backward with create_graph=True runs (hooks/backward.py); a parameter accumulated in it
     graph_only: bool = False
     accumulated_in_graph_only: bool = False
@@ -115,7 +115,7 @@ class RootState:
     creates_graph: bool = False
 
     def label_of(self, uid: int) -> str:
-        """Name a group by the id handshakes carry (ids agree across ranks; messages name other ranks' groups)."""
+        """Name a group by the id order checks carry (ids agree across ranks; messages name other ranks' groups)."""
         return next((s.group.label for s in self.states if s.group.uid == uid), f"<unknown group {uid}>")
 
 

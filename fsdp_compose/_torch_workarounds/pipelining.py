@@ -44,6 +44,7 @@ from .._runtime.state import state_of, states_in
 PACKAGE = "torch.distributed.pipelining"
 STAGE, SCHEDULES = f"{PACKAGE}.stage", f"{PACKAGE}.schedules"
 _OURS = "_fsdp_compose_step_end"
+_WEIGHT_PASS = "_fsdp_compose_weight_pass"  # on a schedule: (the action lists read, whether one has a weight pass)
 
 
 
@@ -179,12 +180,7 @@ def _guard_weight_passes(schedules) -> None:
 
 
 def _refuse_resharded_weight_pass(schedule) -> None:
-    order = getattr(schedule, "pipeline_order", None) or {}
-    if not any(  # the schedule has a weight pass
-        action is not None and getattr(action.computation_type, "name", "") == "BACKWARD_WEIGHT"
-        for actions in order.values()
-        for action in actions
-    ):
+    if not _has_weight_pass(schedule):
         return
     for stage in getattr(schedule, "_stages", []):
         if not isinstance(stage.submod, FSDPModule):
@@ -196,3 +192,20 @@ def _refuse_resharded_weight_pass(schedule) -> None:
                     f"'{name or '<root>'}' of stage {stage.stage_index} was resharded: its gradients would be "
                     "lost. Call fully_shard with reshard_after_forward=False on that stage's modules"
                 )
+
+
+def _has_weight_pass(schedule) -> bool:
+    """Whether the schedule's actions (``pipeline_order``: per rank, a list) hold a weight pass: read once
+    per table, not at every step; a table loaded later (``_load_csv``) brings new lists and is read again."""
+    order = getattr(schedule, "pipeline_order", None) or {}
+    lists = tuple(order.values())
+    seen = getattr(schedule, _WEIGHT_PASS, None)
+    if seen is not None and len(seen[0]) == len(lists) and all(a is b for a, b in zip(seen[0], lists)):
+        return seen[1]
+    found = any(
+        action is not None and getattr(action.computation_type, "name", "") == "BACKWARD_WEIGHT"
+        for actions in order.values()
+        for action in actions
+    )
+    setattr(schedule, _WEIGHT_PASS, (lists, found))
+    return found

@@ -71,7 +71,7 @@ def test_frozen_and_trainable_in_one_group(world_size):
     assert_parity(results)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_fully_frozen_block(world_size):
     assert_parity(run_on_ranks(world_size, _frozen_block_adapter))
 

@@ -10,7 +10,7 @@ def _parity_nested(reshard_after_forward):
     )
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: in the slow run (README.md)
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_nested_parity(world_size, reshard_after_forward):
     results = run_on_ranks(world_size, _parity_nested, reshard_after_forward)

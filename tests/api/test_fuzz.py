@@ -9,6 +9,7 @@ gradients and parameters must agree to 1e-5. All models run in one call per worl
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -66,11 +67,12 @@ def test_generator_covers_the_features():
 
 
 def _check(world_size: int) -> None:
-    results = run_on_ranks(world_size, _fuzz_all, timeout=240)
+    results = run_on_ranks(world_size, _fuzz_all)
     bad = {seed: r for per_rank in results for seed, r in per_rank.items() if not r["worst"] <= 1e-5}
     assert not bad, "\n".join(f"seed {s}: {r['worst']}\n  {build_model(s)}\n  " + "\n  ".join(r["plan"]) for s, r in bad.items())
 
 
+@pytest.mark.slow  # ws3 in the default run (uneven shards)
 def test_fuzzed_models_match_reference_ws2():
     _check(2)
 

@@ -31,8 +31,10 @@ def _exception_classes() -> dict[str, type]:
     for info in pkgutil.walk_packages(fsdp_compose.__path__, "fsdp_compose."):
         module = importlib.import_module(info.name)
         for name, value in vars(module).items():
+            # an underscored class is private control flow, caught inside its module (``files._Duplicate``)
             if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__.startswith("fsdp_compose"):
-                found[name] = value
+                if not name.startswith("_"):
+                    found[name] = value
     return found
 
 

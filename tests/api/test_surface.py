@@ -20,6 +20,7 @@ BEYOND_FSDP2 = {
     "CheckpointError", "Comm", "AllGather", "ReduceScatter", "explain", "Explanation", "collective_bytes",
     "estimate", "Estimate", "ExecutionOrderError", "CollectiveError", "quantize_all_gather",
     "load_pretrained", "save_pretrained", "PretrainedCheckpointError", "process_wide_effects",
+    "FaultTolerance", "FaultToleranceError",
     # torch's FSDP2 raises a bare AssertionError for these; ours are classes of their own that are one too
     "MeshRoleError", "AlreadyShardedError", "DeepcopyUnsupportedError",
 }

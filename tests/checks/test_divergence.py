@@ -2,8 +2,8 @@
 
 gloo itself aborts the process when ranks all-gather buffers of different sizes and hangs when
 they run different collectives; torch's FSDP2 shows exactly that (or trains on mixed-up
-shards when sizes happen to match). The handshake before each collective (_checks/order.py:
-on gloo a round of the ledger, an all-reduce of its count and digest and their negations, closed
+shards when sizes happen to match). The order check before each collective (_checks/order.py:
+on gloo a round of the collective log, an all-reduce of its count and digest and their negations, closed
 before the collective) turns every case below into an ``ExecutionOrderError`` on every rank.
 """
 
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_compose import fully_shard
 from fsdp_compose._runtime.collectives import CollectiveError
 from fsdp_compose._checks.order import CHECK_ENV, ExecutionOrderError, check_mode
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 from tests.models import (
     TinyLM,
     assert_parity,
@@ -31,6 +31,11 @@ from tests.models import (
     shard_blocks_then_root,
     train_against_reference,
 )
+
+# A rank left waiting would fail only at its group's timeout; a detected divergence takes well under a
+# second (seconds on a loaded machine). Half the timeout tells the two apart on any machine.
+GROUP_TIMEOUT_S = hang_timeout(300)
+NOT_A_TIMEOUT_S = GROUP_TIMEOUT_S / 2
 
 
 class TwoSizes(nn.Module):
@@ -74,7 +79,7 @@ def _rank_one_skips_a_module() -> tuple[str, float]:
 
 def test_rank_skipping_a_module_raises_everywhere():
     (error0, seconds0), (error1, seconds1) = run_on_ranks(2, _rank_one_skips_a_module)
-    assert max(seconds0, seconds1) < 30
+    assert max(seconds0, seconds1) < NOT_A_TIMEOUT_S  # raised, not left to the 30-minute default timeout
     errors = [error0, error1]
     assert errors[0] == errors[1]
     assert_expected_inline(
@@ -94,7 +99,7 @@ def _last_rank_skips_a_module() -> str:
 def test_one_rank_of_three_diverging_is_named_everywhere():
     """Two ranks agree and one does not: all three raise the same error (a check that compared only
     against a majority would miss it)."""
-    errors = run_on_ranks(3, _last_rank_skips_a_module, timeout=60)
+    errors = run_on_ranks(3, _last_rank_skips_a_module)
     assert errors[0] == errors[1] == errors[2]
     assert_expected_inline(
         errors[0],
@@ -120,7 +125,7 @@ def _different_forward_counts() -> str:
 
 
 def test_different_numbers_of_forward_calls_raise_everywhere():
-    errors = run_on_ranks(2, _different_forward_counts, timeout=60)
+    errors = run_on_ranks(2, _different_forward_counts)
     assert all(e.startswith("Ranks diverged") for e in errors), errors
     assert "rank 0: all-gather of 'small' (Linear)" in errors[0]
     assert "rank 1: all-gather of 'big' (Linear)" in errors[0]  # rank 1 is already in backward
@@ -131,24 +136,27 @@ def _rank_one_stops() -> str:
     mesh = DeviceMesh.from_group(group, "cpu")
     model = _model(mesh)
     if dist.get_rank() == 1:
-        time.sleep(6)  # "stops": never runs the forward
-        message = "slept"
-    else:
-        started = time.monotonic()
-        try:
-            model(torch.randn(3, 4))
-            message = "no error"
-        except CollectiveError as error:
-            message = f"{error} after {time.monotonic() - started:.0f}s"
+        dist.barrier()  # "stops": never runs the forward, and waits (on the default group) until rank 0 is done
+        return "stopped"
+    started = time.monotonic()
+    try:
+        model(torch.randn(3, 4))
+        message = "no error"
+    except CollectiveError as error:
+        message = f"{error} after {time.monotonic() - started:.0f}s"
+    dist.barrier()
     return message
 
 
 def test_stopped_rank_fails_peers_within_group_timeout():
-    rank0, rank1 = run_on_ranks(2, _rank_one_stops, timeout=60)
-    assert rank1 == "slept"
-    assert rank0.startswith("rank 0: the handshake before the all-gather of '<root>' (TwoSizes) failed"), rank0
+    """Rank 1 stays stopped until rank 0 has returned, so rank 0's error came while its peer never
+    joined: from the group's 3 s timeout (a longer one, e.g. the 30-minute default, would leave both
+    ranks to the harness's deadline). Ordered by the barrier, not by sleeps: nothing here is timed."""
+    rank0, rank1 = run_on_ranks(2, _rank_one_stops)
+    assert rank1 == "stopped"
+    assert rank0.startswith("rank 0: the order check before the all-gather of '<root>' (TwoSizes) failed"), rank0
     assert "init_process_group(timeout=...)" in rank0
-    assert float(rank0.rsplit(" after ", 1)[1][:-1]) < 6
+    assert float(rank0.rsplit(" after ", 1)[1][:-1]) >= 2, rank0  # waited for the group's timeout (3 s)
 
 
 class LastKeptWhole(TwoSizes):
@@ -189,18 +197,18 @@ def test_a_rank_that_skipped_backward_is_named_at_once(mode):
     so both ranks raise at once.
 
     Rank 0's backward starts with the reduce-scatter of the root group while rank 1, already in
-    the next forward, all-gathers ``small``. When the default mode handshaked all-gathers only,
-    that reduce-scatter met rank 1's handshake unchecked, the ranks' collectives stayed
+    the next forward, all-gathers ``small``. When the default mode checked all-gathers only,
+    that reduce-scatter met rank 1's order check unchecked, the ranks' collectives stayed
     misaligned, and both failed only when the process group's timeout expired: in each of 8 runs
     of ``_skip_backward_on_rank_one("1", 5.0)`` each rank raised ``CollectiveError: ... the
-    handshake before the all-gather of 'small' (Linear) failed; another rank stopped ...`` after
+    order check before the all-gather of 'small' (Linear) failed; another rank stopped ...`` after
     5 s (with ``init_process_group``'s default timeout that is 30 minutes). More backward cases:
     test_backward_divergence.py.
     """
-    results = run_on_ranks(2, _skip_backward_on_rank_one, mode, 30.0)
+    results = run_on_ranks(2, _skip_backward_on_rank_one, mode, GROUP_TIMEOUT_S)
     (error0, seconds0), (error1, seconds1) = results
     assert error0 == error1
-    assert max(seconds0, seconds1) < 20  # not the 30 s group timeout (it takes well under a second)
+    assert max(seconds0, seconds1) < NOT_A_TIMEOUT_S  # not the group timeout (it takes well under a second)
     assert_expected_inline(
         error0,
         """\
@@ -253,7 +261,7 @@ def test_checked_modes_train_exactly_like_checks_off():
 
 
 def test_an_unknown_check_mode_is_refused(monkeypatch):
-    """Mode ``tag`` (an in-data tag without a handshake) is gone: a passed handshake proves what it checked."""
+    """Mode ``tag`` (an in-data tag without a order check) is gone: a passed order check proves what it checked."""
     monkeypatch.setenv(CHECK_ENV, "tag")
     with pytest.raises(ValueError) as caught:
         check_mode()

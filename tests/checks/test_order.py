@@ -1,4 +1,4 @@
-"""The handshake ledger: which ranks its message names from the exchanged logs,
+"""The order check collective log: which ranks its message names from the exchanged logs,
 and a verdict kept across a device change.
 
 Its collectives are shown on threaded ranks in ``test_fake_backend.py``; here the naming alone,
@@ -15,7 +15,7 @@ from fsdp_compose._checks.order import (
     REDUCE_SCATTER,
     Entry,
     ExecutionOrderError,
-    Ledgers,
+    CollectiveLogs,
     _first_difference,
 )
 
@@ -50,13 +50,13 @@ def test_a_reduce_scatter_brings_the_backward_hint():
 
 def test_a_verdict_still_unread_when_the_model_moves_is_read_on_the_new_device(single_rank_group):
     """On an accelerator a round's verdict is read a round later; moving the model (a new device for
-    the handshakes) in between must not drop it."""
-    ledgers = Ledgers()
+    the order checks) in between must not drop it."""
+    collective_logs = CollectiveLogs()
     group = dist.group.WORLD
-    before = ledgers.ledger(group, torch.device("cpu"))
+    before = collective_logs.collective_log(group, torch.device("cpu"))
     diverged = torch.tensor(True)  # as the previous round's all-reduce left it, waiting to be read
     before.pending = (diverged, None, [Entry(1, ALL_GATHER, 40, before)], _describe)
-    after = ledgers.ledger(group, torch.device("meta"))
+    after = collective_logs.collective_log(group, torch.device("meta"))
     assert after.device == torch.device("meta")
     with pytest.raises(ExecutionOrderError, match="all-gather of 'block1'"):
         after.close_round()

@@ -67,7 +67,7 @@ def _blocks_compiled(order: str, backend: str) -> dict:
         return _compile_stats(train_against_reference(TinyLM, shard, steps=STEPS))
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])  # inductor: C++ kernels, in the slow run
 def test_blocks_compiled_before_fully_shard(backend):
     if backend == "inductor" and shutil.which("g++") is None:
         pytest.skip("inductor on CPU compiles its C++ kernels with g++ (torch._inductor.config.cpp.cxx), not installed")
@@ -119,6 +119,7 @@ def _block_wrappers_after_sharding() -> dict:
     return _compile_stats(result)
 
 
+@pytest.mark.slow  # 3 ranks compiling
 def test_block_wrappers_compiled_after_fully_shard_on_three_ranks():
     """``torch.compile(block)`` assigned back after sharding; 3 ranks pad every dimension (13, 29)."""
     results = run_on_ranks(3, _block_wrappers_after_sharding)

@@ -1,5 +1,6 @@
 """HSDP: shard within the last mesh dim, all-reduce gradients across the first."""
 
+import pytest
 import torch
 from torch.distributed.device_mesh import init_device_mesh
 
@@ -54,5 +55,6 @@ def _hsdp_accumulation():
     )
 
 
+@pytest.mark.slow  # 4 ranks
 def test_hsdp_accumulation_with_all_reduce_off():
     assert_parity(run_on_ranks(4, _hsdp_accumulation))

@@ -110,7 +110,12 @@ NEEDS_TORCH_RESULT = pytest.mark.skipif(
 
 
 @pytest.mark.parametrize(
-    "dim,prefetch,torch_info", [(0, False, False), (1, True, False), pytest.param(0, False, True, marks=NEEDS_TORCH_RESULT)]
+    "dim,prefetch,torch_info",
+    [
+        (0, False, False),
+        pytest.param(1, True, False, marks=pytest.mark.slow),
+        pytest.param(0, False, True, marks=[NEEDS_TORCH_RESULT, pytest.mark.slow]),
+    ],
 )
 def test_experts_on_a_2x2_mesh_train_at_parity(dim, prefetch, torch_info):
     results = run_on_ranks(4, _train, dim, prefetch, torch_info)
@@ -142,6 +147,7 @@ def _mixed_precision() -> dict:
     return result
 
 
+@pytest.mark.slow  # 4 ranks
 def test_mixed_precision_applies_to_every_mesh_group():
     results = run_on_ranks(4, _mixed_precision)
     assert_parity(results)
@@ -199,6 +205,7 @@ def _state_and_tools(tmp: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # 4 ranks
 def test_clip_state_dicts_dcp_and_explain_across_meshes(tmp_path):
     results = run_on_ranks(4, _state_and_tools, str(tmp_path / "ckpt"))
     for r in results:
@@ -302,6 +309,7 @@ def _options(options: str) -> dict:
     return result
 
 
+@pytest.mark.slow  # 4 ranks
 @pytest.mark.parametrize("options", ["reshard_2", "offload", "no_reshard", "no_sync"])
 def test_options_and_accumulation_apply_to_every_mesh_group(options):
     results = run_on_ranks(4, _options, options)

@@ -124,12 +124,12 @@ def _with_pipelining_unimported(fn, *args):
 @pytest.mark.parametrize(
     "schedule, compat, late_import",
     [
-        ("GPipe", False, False),
+        pytest.param("GPipe", False, False, marks=pytest.mark.slow),
         ("1F1B", False, False),
         ("Interleaved1F1B", False, False),
-        ("LoopedBFS", False, False),
-        ("1F1B", True, False),
-        ("1F1B", False, True),
+        pytest.param("LoopedBFS", False, False, marks=pytest.mark.slow),
+        pytest.param("1F1B", True, False, marks=pytest.mark.slow),
+        pytest.param("1F1B", False, True, marks=pytest.mark.slow),
     ],
 )
 def test_pipeline_schedule_reduces_once_per_step(schedule, compat, late_import):

@@ -1,5 +1,6 @@
 """reshard_after_forward=<int>: after forward keep an N-way slice; backward gathers within N ranks."""
 
+import pytest
 import torch
 
 from fsdp_compose._runtime.state import state_of
@@ -49,5 +50,6 @@ def _load_between_forward_and_backward():
         return (model(ids) - fresh(ids)).abs().max().item()
 
 
+@pytest.mark.slow  # 4 ranks
 def test_load_after_forward_replaces_the_post_forward_slice():
     assert run_on_ranks(4, _load_between_forward_and_backward) == [0.0] * 4

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import warnings
 
+import pytest
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
@@ -153,6 +154,7 @@ def test_fsdp_over_dp_shard_of_a_dp_tp_mesh():
     assert [r["fc1_local"][0] for r in results] == [8, 7, 7, 7]
 
 
+@pytest.mark.slow  # 4 ranks
 def test_hsdp_over_dp_replicate_and_dp_shard():
     results = run_on_ranks(4, _parity, "hsdp")
     _check(results)
@@ -160,6 +162,7 @@ def test_hsdp_over_dp_replicate_and_dp_shard():
     assert [r["fc1_local"][0] for r in results] == [15, 14, 15, 14]
 
 
+@pytest.mark.slow  # 4 ranks
 def test_flattened_shard_dims(tmp_path):
     results = run_on_ranks(4, _parity, "flattened", str(tmp_path / "ckpt"))
     _check(results)
@@ -168,6 +171,7 @@ def test_flattened_shard_dims(tmp_path):
     assert [r["fc1_local"][0] for r in results] == [8, 8, 8, 5]
 
 
+@pytest.mark.slow  # 4 ranks
 def test_shard_dim_1_under_tensor_parallel(tmp_path):
     results = run_on_ranks(4, _parity, "fsdp_tp_dim1", str(tmp_path / "ckpt"))
     _check(results)

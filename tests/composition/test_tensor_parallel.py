@@ -77,6 +77,7 @@ def test_tp_plus_fsdp_matches_single_process():
         assert grad_diff <= 1e-5, grad_diff
 
 
+@pytest.mark.slow  # 4 ranks
 def test_tp_plus_fsdp_gradient_check_sees_a_wrong_scale():
     """The check above can fail: gradients x2 or x0.5 (a sum instead of a mean, a double division)
     are far outside 1e-5, where the loss and AdamW's parameters alone miss x2 or come within 7x."""

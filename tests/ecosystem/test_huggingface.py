@@ -116,7 +116,7 @@ def _train_parity_and_resume(kind: str, ckpt_dir: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", [pytest.param("gpt2", marks=pytest.mark.slow), "llama"])
 def test_trains_at_parity_and_resumes_from_checkpoint(kind: str, tmp_path) -> None:
     results = run_on_ranks(2, _train_parity_and_resume, kind, str(tmp_path / "ckpt"))
     for r in results:

@@ -64,5 +64,6 @@ def test_the_port_hands_out_core_names_only_as_exported() -> None:
         "reshard_idle",
         "row_layout",
         "set_gather_codec",
+        "user_class",
         "wait_named",
     ]

@@ -97,8 +97,8 @@ def test_parity_with_the_rounding_the_wire_does(dtype, world_size):
 @pytest.mark.parametrize(
     "case, world_size, shard_ranks, kwargs",
     [
-        ("reshard to 2 of 4 ranks", 4, 4, {"reshard_after_forward": 2}),
-        ("HSDP 2x2", 4, 2, {"hsdp": True}),
+        pytest.param("reshard to 2 of 4 ranks", 4, 4, {"reshard_after_forward": 2}, marks=pytest.mark.slow),
+        pytest.param("HSDP 2x2", 4, 2, {"hsdp": True}, marks=pytest.mark.slow),
         ("no reshard, CPU offload", 3, 3, {"reshard_after_forward": False, "offload_policy": CPUOffloadPolicy()}),
         ("activation checkpointing", 2, 2, {"checkpoint": True}),
     ],

@@ -28,7 +28,7 @@ from fsdp_compose._runtime.collectives import (
 from fsdp_compose._checks.order import ExecutionOrderError
 from fsdp_compose._runtime.state import state_of
 from fsdp_compose_shm import SHM_ALL_GATHER, SHM_REDUCE_SCATTER, use_shm
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 from tests.messages import message
 from tests.models import TinyLM, assert_parity, shard_blocks_then_root, train_against_reference
 from tests.runtime.test_collectives import count_collectives
@@ -113,8 +113,10 @@ def _parity(variant: str, chunk: str = ""):
     return result
 
 
-@pytest.mark.parametrize("world_size,variant,chunk", [(2, "separate", ""), (3, "keep", ""), (4, "hsdp", ""),
-                                                     (3, "chunked", "256")])
+@pytest.mark.parametrize(
+    "world_size,variant,chunk",
+    [(2, "separate", ""), (3, "keep", ""), pytest.param(4, "hsdp", "", marks=pytest.mark.slow), (3, "chunked", "256")],
+)
 def test_parity_with_reference_through_shm(world_size, variant, chunk):
     """``chunked``: 256-byte chunks, so most contributions go in several exchanges."""
     results = run_on_ranks(world_size, _parity, variant, chunk)
@@ -211,7 +213,7 @@ def _back_to_back(chunk: str):
     return shm_transport.counters.segments_created - created, our_files()
 
 
-@pytest.mark.parametrize("chunk", ["", "1024"])
+@pytest.mark.parametrize("chunk", ["", pytest.param("1024", marks=pytest.mark.slow)])
 def test_back_to_back_collectives_of_different_sizes(chunk):
     results = run_on_ranks(3, _back_to_back, chunk)
     for created, files in results:
@@ -261,8 +263,8 @@ def _rank_one_skips_a_module_through_shm() -> tuple[str, int]:
     return text, shm_transport.counters.syncs - syncs
 
 
-def test_the_core_handshake_names_a_divergence_before_the_transport_sees_it():
-    """With the order check on (the default) the core's handshake, not the transport's own check, catches
+def test_the_core_order_check_names_a_divergence_before_the_transport_sees_it():
+    """With the order check on (the default) the core's order check, not the transport's own check, catches
     ranks that diverge through shm, naming the modules; the transport's check guards only the order check off."""
     results = run_on_ranks(2, _rank_one_skips_a_module_through_shm)
     assert results[0] == results[1]
@@ -351,7 +353,11 @@ def _killed_rank(rank: int, port: int, results) -> None:
     """Rank 1 dies (SIGKILL) right after creating a grown segment, before the sync that would
     unlink it; rank 0's failed sync then unlinks every file of the job."""
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timedelta(seconds=20)
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=hang_timeout(120)),
     )
     group = dist.group.WORLD
     stats = CommStats()
@@ -375,6 +381,7 @@ def _killed_rank(rank: int, port: int, results) -> None:
         results.put((outcome, prefix))
 
 
+@pytest.mark.slow  # two fresh interpreters
 def test_no_files_left_when_a_rank_is_killed_mid_run():
     import socket
 
@@ -389,7 +396,7 @@ def test_no_files_left_when_a_rank_is_killed_mid_run():
     for p in procs:
         p.start()
     try:
-        outcome, prefix = results.get(timeout=90)
+        outcome, prefix = results.get(timeout=hang_timeout())
     finally:
         for p in procs:
             p.join(timeout=30)

@@ -40,6 +40,7 @@ NAMED_BY_STRING: dict[tuple[str, str], str] = {
     ("__init__.py", "fsdp_compose.extras.wrap"): "apply_fully_shard and its policies: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.deferred_init"): "init_sharded_parameters, sync_module_states: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.pretrained"): "load_pretrained, save_pretrained, ...: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.fault_tolerance"): "FaultTolerance, FaultToleranceError: lazy re-export",
 }
 
 

@@ -1,17 +1,17 @@
-"""``benchmarks/bench_step.py`` prices the divergence handshakes by wrapping the ledger's rounds. The
-wrapper must keep finding them: when the gloo exchange became a ledger round, the benchmark failed
+"""``benchmarks/bench_step.py`` prices the divergence order checks by wrapping the collective log's rounds. The
+wrapper must keep finding them: when the gloo exchange became a collective log round, the benchmark failed
 with an ``AttributeError`` after every model had trained, and no test noticed."""
 
 import torch
 from torch import nn
 
 from fsdp_compose import fully_shard
-from fsdp_compose._checks.order import Ledger
+from fsdp_compose._checks.order import CollectiveLog
 from tests.harness import run_on_ranks
 
 
 def _rounds_counted_in_a_step() -> tuple[dict, int]:
-    from benchmarks.bench_step import time_handshakes  # its MALLOC_ setdefault finds the harness's value
+    from benchmarks.bench_step import time_order_checks  # its MALLOC_ setdefault finds the harness's value
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
@@ -19,20 +19,20 @@ def _rounds_counted_in_a_step() -> tuple[dict, int]:
         fully_shard(layer)
     fully_shard(model)
     model(torch.randn(2, 4)).sum().backward()  # lazy init and the first step's order, outside the count
-    original = Ledger.close_round
+    original = CollectiveLog.close_round
     rounds = 0
 
-    def counting(ledger: Ledger) -> None:
+    def counting(collective_log: CollectiveLog) -> None:
         nonlocal rounds
-        rounds += bool(ledger.log)  # a round with nothing logged runs no collective
-        original(ledger)
+        rounds += bool(collective_log.log)  # a round with nothing logged runs no collective
+        original(collective_log)
 
-    Ledger.close_round = counting
+    CollectiveLog.close_round = counting
     try:
-        spent = time_handshakes()  # wraps ``counting``
+        spent = time_order_checks()  # wraps ``counting``
         model(torch.randn(2, 4)).sum().backward()
     finally:
-        Ledger.close_round = original
+        CollectiveLog.close_round = original
     return spent, rounds
 
 

@@ -32,9 +32,11 @@ import pytest
 import torch
 from torch.distributed import TCPStore
 
+from tests.harness import hang_timeout
+
 REPO = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
-PAGE_TIMEOUT_S = 90.0
+PAGE_TIMEOUT_S = hang_timeout()  # a hang detector: pages run two at a time, on a loaded machine too
 REQUIRES_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*requires\s+([\w. ]+?)\s*-->\s*$", re.M)
 SKIP_MARKER = re.compile(r"^\s*<!--\s*docs-test:\s*skip\s*\((.+)\)\s*-->\s*$")
 FENCE = re.compile(r"^(\s*)(`{3,}|~{3,})\s*(\S*)")
@@ -239,12 +241,17 @@ def test_page_runs(page: Path, request: pytest.FixtureRequest) -> None:
 
 
 def test_readme_test_command_is_what_ci_runs() -> None:
-    """.ci/run runs the README's test command, then the suite on the torch releases the README names."""
+    """.ci/run runs the README's test command, then the slow tests, then the whole suite (default and
+    slow) on the torch releases the README names."""
     ci, readme = (REPO / ".ci" / "run").read_text(), (REPO / "README.md").read_text()
-    command = next(line for line in ci.splitlines() if line.startswith("pip install"))
+    lines = ci.splitlines()
+    command = next(line for line in lines if line.startswith("pip install"))
     assert command in readme, command
+    assert command.endswith("&& python -m pytest -q"), command  # the default selection, as the README runs it
+    assert lines[lines.index(command) + 1] == "python -m pytest -q -m slow", lines
     versions = re.search(r"^for version in (.+); do$", ci, re.M).group(1).split()
     assert versions == ["2.11.0", "2.14.1"], versions
+    assert """  bash tools/test_torch.sh "$version" -m ''""" in lines, lines  # everything, slow tests included
     assert "**Supported torch: 2.11.0 through 2.14.1**" in readme
 
 
@@ -254,7 +261,7 @@ def test_a_failing_block_names_its_page_line_and_a_hang_is_killed(tmp_path: Path
         "```python\nimport os, time\nimport torch.distributed as dist\ndist.init_process_group('gloo')\n```\n"
         "text\n```python\nif dist.get_rank() == 1:\n    raise ValueError('boom')\ndist.barrier()\n```\n"
     )
-    run = PageRun(page, tmp_path, timeout=30)
+    run = PageRun(page, tmp_path, timeout=hang_timeout())
     run.start()
     codes, _ = run.wait()
     assert codes[1] == 1, codes  # rank 0 errors out of the barrier or is killed 5 s later

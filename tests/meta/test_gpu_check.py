@@ -8,17 +8,20 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from benchmarks import gpu_check
+from tests.harness import hang_timeout
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+@pytest.mark.slow  # every CPU row of the GPU check
 def test_gpu_check_runs_on_cpu():
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "gpu_check.py"), "--quick", "--cpu", "--stage"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        capture_output=True, text=True, timeout=hang_timeout(), cwd=ROOT,
     )
     assert done.returncode == 0, done.stdout + done.stderr
     lines = done.stdout.splitlines()

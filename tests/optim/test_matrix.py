@@ -240,7 +240,7 @@ def _tolerance(results: list[dict]) -> float:
 
 # every shape is odd (uneven shards at any world size); the 2-row head leaves ranks 2 and 3 without rows
 CASES = [pytest.param(2, False, False, id="2-ranks"), pytest.param(3, False, False, id="3-ranks-uneven"),
-         pytest.param(4, False, False, id="4-ranks-uneven"), pytest.param(4, True, False, id="hsdp-2x2"),
+         pytest.param(4, False, False, id="4-ranks-uneven", marks=pytest.mark.slow), pytest.param(4, True, False, id="hsdp-2x2", marks=pytest.mark.slow),
          pytest.param(2, False, True, id="2-ranks-bf16-mixed-precision"),
          pytest.param(3, False, True, id="3-ranks-bf16-mixed-precision")]
 
@@ -405,7 +405,7 @@ def _train_accumulate_clip_freeze() -> dict:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3, pytest.param(4, marks=pytest.mark.slow)])
 def test_accumulation_clipping_and_frozen_matrices_match_torch_muon(world: int) -> None:
     results = run_on_ranks(world, _train_accumulate_clip_freeze)
     tol = _tolerance(results)

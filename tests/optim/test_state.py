@@ -7,6 +7,7 @@ rows to that run's owners. A resumed run must equal an uninterrupted one.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -194,6 +195,7 @@ def _hsdp_round_trip() -> tuple[bool, float]:
     return placements_ok and len(diffs) > 0, max(diffs)
 
 
+@pytest.mark.slow  # 4 ranks
 def test_hsdp_state_dict_round_trip() -> None:
     for ok, diff in run_on_ranks(4, _hsdp_round_trip):
         assert ok and diff == 0.0, (ok, diff)

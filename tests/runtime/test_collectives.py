@@ -29,10 +29,10 @@ WATCHED = [
 ]
 
 
-def _from_handshake() -> bool:
-    """The order-check handshake (_checks/order.py) and the shared-memory transport's syncs
+def _from_order_check() -> bool:
+    """The order check (_checks/order.py) and the shared-memory transport's syncs
     (fsdp_compose_shm/__init__.py) move no parameter data: not data collectives."""
-    return sys._getframe(2).f_code.co_filename.endswith(("handshake.py", "fsdp_compose_shm/__init__.py"))
+    return sys._getframe(2).f_code.co_filename.endswith(("_checks/order.py", "fsdp_compose_shm/__init__.py"))
 
 
 @contextmanager
@@ -44,7 +44,7 @@ def count_collectives():
 
     def counting(name):
         def call(*args, **kwargs):
-            if not _from_handshake():
+            if not _from_order_check():
                 counts[name] += 1
             return originals[name](*args, **kwargs)
 
@@ -52,7 +52,7 @@ def count_collectives():
 
     def counting_method(name):
         def call(self, *args, **kwargs):
-            if not _from_handshake():
+            if not _from_order_check():
                 counts[PROCESS_GROUP_WATCHED[name]] += 1
             return methods[name](self, *args, **kwargs)
 

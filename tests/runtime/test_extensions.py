@@ -164,6 +164,7 @@ def test_two_tensor_uneven_at_3_ranks_with_offload():
     run_on_ranks(3, _two_tensor_parity, 2, True, offload=True)
 
 
+@pytest.mark.slow  # 4 ranks
 def test_two_tensor_reshard_to_2_of_4_ranks():
     """reshard_after_forward=2 (torch's FSDP2 refuses it for extensions): forward keeps a 2-way slice of
     what the protocol gathered, backward re-gathers it within 2 ranks and calls post-all-gather again."""
@@ -199,7 +200,7 @@ def _protocol_attached_after_fully_shard(hsdp: bool) -> int:
     return calls["pre"]
 
 
-@pytest.mark.parametrize("world, hsdp", [(2, False), (4, True)])
+@pytest.mark.parametrize("world, hsdp", [(2, False), pytest.param(4, True, marks=pytest.mark.slow)])
 def test_protocol_attached_after_fully_shard(world, hsdp):
     # 3 steps x 3 blocks x 2 weights, gathered in forward and again in backward
     assert run_on_ranks(world, _protocol_attached_after_fully_shard, hsdp) == [3 * 3 * 2 * 2] * world
@@ -334,6 +335,7 @@ def test_attached_methods_after_meta_init():
     assert run_on_ranks(2, _meta_init_monkey_patch, False) == [(1, 2)] * 2
 
 
+@pytest.mark.slow  # 4 ranks
 def test_hsdp_passes_the_shard_mesh():
     assert run_on_ranks(4, _meta_init_monkey_patch, True) == [(1, 2)] * 4
 

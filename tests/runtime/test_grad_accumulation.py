@@ -56,6 +56,7 @@ def test_no_sync_accumulates_in_reduce_dtype(world_size, offload):
         assert result["relative"] < 1e-6, result
 
 
+@pytest.mark.slow  # 4 ranks
 @pytest.mark.parametrize("mode", ["no_sync", "no_all_reduce"])
 def test_hsdp_accumulation_in_reduce_dtype(mode):
     for result in run_on_ranks(4, _accumulated_grads, mode, False, True):

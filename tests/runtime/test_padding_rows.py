@@ -59,6 +59,7 @@ def _parity_and_tables() -> tuple[float, dict]:
     return worst, sent
 
 
+@pytest.mark.slow  # 4 ranks
 def test_rows_of_later_ranks_are_padding_and_training_matches():
     for worst, sent in run_on_ranks(4, _parity_and_tables):
         assert worst <= 1e-5
@@ -94,7 +95,7 @@ def _tiny_parity(transport: str) -> float:
     return worst
 
 
-@pytest.mark.parametrize("world", [3, 4])
+@pytest.mark.parametrize("world", [3, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("transport", ["gloo", "shm"])
 def test_every_group_short_trains_at_parity(transport, world):
     assert run_on_ranks(world, _tiny_parity, transport) == [pytest.approx(0, abs=1e-5)] * world

@@ -129,6 +129,7 @@ def _tensor_parallel_converted() -> dict:
     return {"diff": max(worst, _diffs(model, reference, "param")), "dtypes": dtypes, "seen": seen}
 
 
+@pytest.mark.slow  # 4 ranks
 def test_float64_after_tensor_parallel_and_fully_shard():
     for r in run_on_ranks(4, _tensor_parallel_converted):
         assert r["dtypes"] == {torch.float64} and r["seen"] == {(torch.float64, torch.float64)}, r

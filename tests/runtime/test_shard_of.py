@@ -68,7 +68,10 @@ def _compare(case: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize(("case", "world_size"), [("uneven_dim1", 3), ("hsdp", 4), ("tp_dim1", 4), ("spmd", 4)])
+@pytest.mark.parametrize(
+    ("case", "world_size"),
+    [("uneven_dim1", 3), *(pytest.param(case, 4, marks=pytest.mark.slow) for case in ("hsdp", "tp_dim1", "spmd"))],
+)
 def test_shard_of_cuts_what_the_shard_layout_holds(case, world_size):
     for r in run_on_ranks(world_size, _compare, case):
         assert r == {"params": 11, "differ": []}, r

@@ -2,7 +2,7 @@
 
 PyTorch's own FSDP2 tests run CPU cases with ``FSDPTestMultiThread``: every rank is a thread
 and the tests of one file share a process, with world sizes changing between test classes.
-Group ids used by the handshake must still agree across ranks there (_runtime/uids.py): a
+Group ids used by the order check must still agree across ranks there (_runtime/uids.py): a
 process-wide counter gave rank 1 the ids after rank 0's and every forward raised a false
 ``ExecutionOrderError``. The world-size-1 class runs first on purpose: it advances rank 0's
 count only, as a world-size-1 test class before a world-size-2 one does in torch's files.
@@ -20,6 +20,7 @@ from torch.testing._internal.common_distributed import MultiThreadedTestCase
 from torch.testing._internal.distributed.multi_threaded_pg import ProcessLocalGroup
 
 from fsdp_compose import fully_shard
+from tests.harness import hang_timeout
 
 
 def _model() -> nn.Sequential:
@@ -39,7 +40,7 @@ def _shard(model: nn.Sequential, reshard_after_forward: bool | int | None = None
     return model
 
 
-HANG_LIMIT_S = 120.0  # as tests/harness.py; a hang fails, a slow machine does not
+HANG_LIMIT_S = hang_timeout()  # as tests/harness.py; a hang fails, a slow machine does not
 
 
 def _abort_hung_ranks() -> None:

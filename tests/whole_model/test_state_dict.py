@@ -212,7 +212,7 @@ def _states_diff(a: tuple[dict, dict], b: tuple[dict, dict]) -> float:
     return max(params, optim)
 
 
-@pytest.mark.parametrize("save_ws,load_ws", [(2, 3), (4, 2)])
+@pytest.mark.parametrize("save_ws,load_ws", [(2, 3), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_dcp_reshards_across_world_sizes(tmp_path, save_ws, load_ws):
     saved = run_on_ranks(save_ws, _dcp_save, str(tmp_path))[0]
     for loaded in run_on_ranks(load_ws, _dcp_load, str(tmp_path)):

@@ -89,7 +89,7 @@ def _layout(kind):
     return out
 
 
-@pytest.mark.parametrize("kind", ["hsdp", "tp", "offload", "tied"])
+@pytest.mark.parametrize("kind", [pytest.param("hsdp", marks=pytest.mark.slow), pytest.param("tp", marks=pytest.mark.slow), "offload", "tied"])
 def test_clip_and_state_dicts_on_layout(kind):
     for r in run_on_ranks(4 if kind in ("hsdp", "tp") else 2, _layout, kind):
         assert r["norm_2.0"] <= 1e-6 and r["norm_inf"] <= 1e-6, r

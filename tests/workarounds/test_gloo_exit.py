@@ -1,4 +1,4 @@
-"""A successful script exits 0, spawned and under torchrun: 6 runs of each (issue 12, item 1).
+"""A successful script exits 0, spawned and under torchrun: 10 runs of each in the slow run (issue 12, item 1).
 
 Each run is a fresh interpreter whose two ranks train, call ``destroy_process_group()`` and
 return; the abort this guards against ("terminate called without an active exception") fired
@@ -10,8 +10,10 @@ Each run also does what trainers add around training (an eval forward under ``no
 ``full_state_dict``, a DCP save and load, a registered ``generate``, ``reset_iter_state`` after
 a mid-forward exception), where users still saw the abort (issue 24); a second test runs an HF
 ``Trainer`` + ``save_model`` script and a third a Lightning ``ModelParallelStrategy`` script.
-``FSDP_COMPOSE_EXIT_RUNS`` changes the count (e.g. 200 to hunt a rare abort; the suite keeps 6 so it
-stays under 10 minutes, and ``benchmarks/bench_exit.py`` counts many runs of every flow),
+The repeated runs are marked ``slow`` (``.ci/run`` runs them on every torch release); the default run
+keeps one spawned run (``test_a_script_exits_zero``).
+``FSDP_COMPOSE_EXIT_RUNS`` changes the count (10 by default, e.g. 200 to hunt a rare abort,
+and ``benchmarks/bench_exit.py`` counts many runs of every flow),
 ``FSDP_COMPOSE_HF_EXIT_RUNS`` that of the HF runs, ``FSDP_COMPOSE_LIGHTNING_EXIT_RUNS`` that of
 the Lightning runs (per launcher). torch's FSDP2
 aborts in the same script (five runs in eight in the issue's measurement), since nothing
@@ -28,18 +30,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "exit_cleanly.py"
 SHM_SCRIPT = ROOT / "tests" / "scripts" / "exit_after_shm.py"
 HF_SCRIPT = ROOT / "tests" / "scripts" / "exit_after_hf_trainer.py"
 LIGHTNING_SCRIPT = ROOT / "tests" / "scripts" / "exit_after_lightning.py"
-# 10 (20 until 2026-11-25, then 16, then 12) keeps the suite under its 10 minutes (at 12 each the
-# suite took 587 to 633 s on 2026-11-27, these runs 150 s of it); a 1-in-3 abort, the rate before
-# the TLS fix, still shows in 10 runs of a launcher but for a chance of 1.7% (0.8% at 12), and
-# goes unseen by both launchers, whose exits share the cause, with a chance of 0.03%
-RUNS = int(os.environ.get("FSDP_COMPOSE_EXIT_RUNS", "6"))
+# 10 per launcher (the suite ran 6 while these runs were in its default selection; they are slow-marked
+# now): a 1-in-3 abort, the rate before the TLS fix, still shows in 10 runs of a launcher but for a
+# chance of 1.7%, and goes unseen by both launchers, whose exits share the cause, with a chance of 0.03%
+RUNS = int(os.environ.get("FSDP_COMPOSE_EXIT_RUNS", "10"))
 HF_RUNS = int(os.environ.get("FSDP_COMPOSE_HF_EXIT_RUNS", "2"))
 LIGHTNING_RUNS = int(os.environ.get("FSDP_COMPOSE_LIGHTNING_EXIT_RUNS", "1"))
 TRAIN_RUNS = int(os.environ.get("FSDP_COMPOSE_TRAIN_EXIT_RUNS", "2"))
@@ -73,14 +74,21 @@ def _run_command(cmd: list[str]) -> tuple[int, str]:
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
     try:
-        stdout, stderr = proc.communicate(timeout=180)
+        stdout, stderr = proc.communicate(timeout=hang_timeout())
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         stdout, stderr = proc.communicate()
-        return -signal.SIGKILL, f"timed out after 180 s\n{stdout[-2000:]}{stderr[-2000:]}"
+        return -signal.SIGKILL, f"timed out after {hang_timeout():.0f} s\n{stdout[-2000:]}{stderr[-2000:]}"
     return proc.returncode, stdout[-2000:] + stderr[-2000:]
 
 
+def test_a_script_exits_zero():
+    """One run of the script below, spawned: the default run's case of the repeated runs (slow)."""
+    rc, out = _run("spawn")
+    assert rc == 0, f"the spawned run failed (exit code {rc}); output:\n{out}"
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun", "spawn, shm"])
 def test_script_exits_zero_every_time(launcher):
     """``spawn, shm``: a quarter of the runs, through ``fsdp_compose_shm.use_shm``. Without
@@ -94,6 +102,7 @@ def test_script_exits_zero_every_time(launcher):
     assert not failures, f"{len(failures)} of {runs} {launcher} runs failed; last output:\n{failures[-1]}"
 
 
+@pytest.mark.slow
 def test_hf_trainer_save_model_script_exits_zero_every_time():
     """An HF ``Trainer`` sharding through accelerate's FSDP2 path, ``train`` -> ``save_model`` ->
     ``evaluate`` -> ``destroy_process_group`` (tests/scripts/exit_after_hf_trainer.py), under
@@ -108,6 +117,7 @@ def test_hf_trainer_save_model_script_exits_zero_every_time():
     assert not failures, f"{len(failures)} of {HF_RUNS} HF Trainer runs failed; last output:\n{failures[-1]}"
 
 
+@pytest.mark.slow
 def test_lightning_script_exits_zero_every_time():
     """A Lightning ``Trainer`` on ``ModelParallelStrategy`` sharding with fsdp_compose: fit with
     validation, a sharded ``save_checkpoint``, and an exit with the gloo group still alive
@@ -132,6 +142,7 @@ def test_lightning_script_exits_zero_every_time():
     assert not failures, f"{len(failures)} of {len(launchers)} Lightning runs failed; last:\n{failures[-1]}"
 
 
+@pytest.mark.slow
 def test_train_example_exits_zero_every_time():
     """The README's command, ``python examples/train.py`` (2 steps instead of 20: the exit is the
     same). Its own collectives (``figures()``'s all-gather after every step) and DTensor's in
@@ -170,16 +181,21 @@ def test_drain_waits_until_every_gloo_worker_was_still_for_an_interval():
 
 
 def test_drain_reads_this_process_and_returns_at_once_without_gloo():
-    # in a fresh process: this one may hold the idle gloo workers of an earlier test's group
+    # in a fresh process: this one may hold the idle gloo workers of an earlier test's group;
+    # "at once": it reads /proc once and never sleeps (counted, not timed: a loaded machine is slow)
     code = (
         "import time\n"
-        "from fsdp_compose._torch_workarounds.gloo_exit import drain_gloo_workers, gloo_workers\n"
-        "assert gloo_workers() == {}, gloo_workers()\n"
-        "began = time.monotonic()\n"
-        "assert drain_gloo_workers() is True\n"
-        "assert time.monotonic() - began < 0.5\n"
+        "from fsdp_compose._torch_workarounds import gloo_exit\n"
+        "assert gloo_exit.gloo_workers() == {}, gloo_exit.gloo_workers()\n"
+        "slept, reads, read = [], [], gloo_exit.gloo_workers\n"
+        "time.sleep = slept.append\n"
+        "gloo_exit.gloo_workers = lambda: reads.append(1) or read()\n"
+        "assert gloo_exit.drain_gloo_workers() is True\n"
+        "assert (slept, len(reads)) == ([], 1), (slept, reads)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=hang_timeout(), cwd=ROOT
+    )
     assert done.returncode == 0, done.stderr
 
 
@@ -209,7 +225,9 @@ def _drain_after_training() -> tuple[int, bool, float, bool, int]:
     return len(gloo_exit.gloo_workers()), drained, seconds, registered, atexit._ncallbacks() - handlers
 
 
-def test_drain_after_training_on_gloo_is_short_and_registered_once():
+def test_drain_after_training_on_gloo_ends_and_is_registered_once():
+    """``drained``: the workers were found still before ``LIMIT_S`` (the drain's own bound); how long
+    it takes is a timing, not asserted here (a loaded machine stretches it)."""
     for workers, drained, seconds, registered, added in run_on_ranks(2, _drain_after_training):
-        assert workers >= 1 and drained and seconds < 1.0, (workers, drained, seconds)
+        assert workers >= 1 and drained, (workers, drained, seconds)
         assert registered and added == 0, (registered, added)

@@ -111,10 +111,12 @@ def inputs_done_hook(state: GroupState, *_grads) -> None:
 def pre_backward(state: GroupState, _grads=None) -> None:
     """The pre-hook ``forward.register_pre_backward`` puts on an output's node (or leaf)."""
     root = state.root
-    if root.graph_only or begin_graph_only(root, state):  # only the data, for the graph being created
+    first = root.phase != IN_BACKWARD  # the backward's first hook (the checks below return at once after it)
+    if root.graph_only or (first and begin_graph_only(root, state)):  # only the data, for the graph being created
         unshard_with_prefetch(state, _prefetched_in_backward(state))
         return
-    queue_end_of_backward(root)
+    if first:
+        queue_end_of_backward(root)
     if state.phase >= PRE_BACKWARD:  # a later output of the same call: nothing more to do
         return
     state.phase = PRE_BACKWARD
@@ -124,7 +126,7 @@ def pre_backward(state: GroupState, _grads=None) -> None:
     else:  # set_unshard_in_backward(False): only the prefetches
         for target in targets:
             target.group.start_unshard()
-    issue_reductions(root)  # after the handshake of the all-gathers above (gloo)
+    issue_reductions(root)  # after the order check of the all-gathers above (gloo)
 
 
 def _prefetched_in_backward(state: GroupState) -> list[GroupState]:
@@ -139,7 +141,7 @@ def on_grad_accumulated(state: GroupState, index: int, _param=None) -> None:
     if root is not None and root.graph_only:
         root.accumulated_in_graph_only = True
         return
-    if root is not None:
+    if root is not None and root.phase != IN_BACKWARD:
         queue_end_of_backward(root)
     maybe_post_backward(state)
 
@@ -195,4 +197,4 @@ def end_of_backward(root: RootState, held: bool = False) -> None:
     for state in root.states:
         reset_backward(state)
     end_backward(root)
-    root.ledgers.close_round()  # may raise ExecutionOrderError, once the step's state is reset
+    root.collective_logs.close_round()  # may raise ExecutionOrderError, once the step's state is reset

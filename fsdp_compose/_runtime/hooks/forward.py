@@ -77,7 +77,7 @@ def lazy_init(state: GroupState, module: nn.Module) -> None:
         s.first_forward_checks.clear()
     root = RootState(root_module_state=state, states=[s for _, s in found])
     for name, s in found:
-        s.group.handshakes.use_ledgers(root.ledgers, root.label_of)
+        s.group.order_check.use_logs(root.collective_logs, root.label_of)
         s.root = root
         s.is_root = s is state or s.primary is state
         s.group.fqn, s.group.mesh_text = name or "<root>", s.mesh_text

@@ -8,11 +8,15 @@ symlink could lead out of the directory, a FIFO blocks, a device never ends, a d
 it is opened without following a link and checked again once open, and no read goes past the
 size seen. ``storage_problems`` checks every storage entry of the metadata this way before a
 single data byte is read; ``check_payload`` checks an item's zip before torch inflates it.
+``CheckedFile`` keeps such a file open and reads it by offset from the descriptor it checked, and says
+whether the file changed since (``load_pretrained`` reads safetensors files this way);
+``parse_json`` reads JSON as safetensors does (UTF-8 only, no duplicate names, no deep nesting).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import stat
 import zipfile
@@ -25,6 +29,8 @@ from torch.distributed.checkpoint.metadata import Metadata
 from .errors import CheckpointError
 
 METADATA = ".metadata"  # DCP's name for a checkpoint's metadata file
+# DCP writes ~250 bytes of metadata a stored chunk: about a million chunks (a checkpoint this large: raise it)
+METADATA_LIMIT = 256 << 20
 # open flags: never through a link, never blocking (a FIFO swapped in after lstat); 0 where the OS lacks one
 _NO_LINK_NO_WAIT = sum(getattr(os, flag, 0) for flag in ("O_NOFOLLOW", "O_NONBLOCK", "O_CLOEXEC"))
 
@@ -36,7 +42,7 @@ class FileRefused(CheckpointError):
         super().__init__(f"file {path!r}: {reason}")
         self.path, self.reason = path, reason
 
-    def __reduce__(self):  # rebuilt from its two arguments (the default passes only the message)
+    def __reduce__(self):  # rebuilt from its two fields: DCP passes a rank's failure to the others pickled
         return type(self), (self.path, self.reason)
 
 
@@ -63,12 +69,8 @@ def _kind(mode: int) -> str:
     return "not a regular file"
 
 
-def open_regular(directory: Path, name: str) -> BinaryIO:
-    """``directory/name`` opened for reading, only if it is a regular file named by a bare name.
-
-    Raises ``FileRefused`` for anything else and ``OSError`` (``FileNotFoundError`` included) as
-    the file system does; the file is never opened through a link, and never blocks.
-    """
+def _open_checked(directory: Path | str, name: str) -> tuple[int, os.stat_result]:
+    """A descriptor of ``directory/name`` and its ``fstat``, only if it is a regular file named by a bare name."""
     path = os.path.join(directory, name) if is_bare_name(name) else None
     if path is None:
         raise FileRefused(str(name), "not a file name in the checkpoint directory (a path), never opened")
@@ -80,10 +82,85 @@ def open_regular(directory: Path, name: str) -> BinaryIO:
         now = os.fstat(fd)
         if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (seen.st_dev, seen.st_ino):
             raise FileRefused(path, "replaced while it was being opened")
-        return os.fdopen(fd, "rb")
+        return fd, now
     except BaseException:
         os.close(fd)
         raise
+
+
+def open_regular(directory: Path | str, name: str) -> BinaryIO:
+    """``directory/name`` opened for reading, only if it is a regular file named by a bare name.
+
+    Raises ``FileRefused`` for anything else and ``OSError`` (``FileNotFoundError`` included) as
+    the file system does; the file is never opened through a link, and never blocks.
+    """
+    fd, _ = _open_checked(directory, name)
+    return os.fdopen(fd, "rb")
+
+
+class CheckedFile:
+    """A regular file opened as ``open_regular`` opens it, kept open: every read is by offset from the
+    descriptor that was checked and within the size seen then, so a name swapped afterwards for a link, a
+    FIFO or another file is never read through; ``changed`` says whether the file was since replaced,
+    removed, resized or written."""
+
+    def __init__(self, directory: Path | str, name: str) -> None:
+        self.path = os.path.join(directory, name)
+        self.fd, self.seen = _open_checked(directory, name)
+        self.size = self.seen.st_size
+
+    def __enter__(self) -> CheckedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def read_at(self, offset: int, length: int) -> bytes:
+        buffer = bytearray(length)
+        self.read_into(memoryview(buffer), offset)
+        return bytes(buffer)
+
+    def read_into(self, buffer: memoryview, offset: int) -> None:
+        """Fill ``buffer`` from byte ``offset``: all of it, or ``FileRefused`` (the file ended sooner)."""
+        end = offset + len(buffer)
+        if offset < 0 or end > self.size:
+            raise FileRefused(self.path, f"bytes {offset} to {end} asked for, past its {self.size} bytes")
+        done = 0
+        while done < len(buffer):
+            got = _pread_into(self.fd, buffer[done:], offset + done)
+            if not got:
+                held = f"short of the {self.size} it held when checked (truncated)"
+                raise FileRefused(self.path, f"ended at byte {offset + done}, {held}")
+            done += got
+
+    def changed(self) -> str | None:
+        """What happened to the file since it was checked (replaced, removed, resized, written), or None."""
+        try:
+            entry = os.lstat(self.path)
+        except FileNotFoundError:
+            return "removed since it was checked"
+        if (entry.st_dev, entry.st_ino) != (self.seen.st_dev, self.seen.st_ino):
+            kind = "another file" if stat.S_ISREG(entry.st_mode) else _kind(entry.st_mode)
+            return f"replaced by {kind} since it was checked; never read through it"
+        now = os.fstat(self.fd)
+        if now.st_size != self.seen.st_size:
+            return f"{now.st_size} bytes now, {self.seen.st_size} when it was checked (truncated or rewritten)"
+        if now.st_mtime_ns != self.seen.st_mtime_ns:
+            return "written since it was checked"
+        return None
+
+
+def _pread_into(fd: int, buffer: memoryview, offset: int) -> int:
+    if hasattr(os, "preadv"):  # straight into the buffer
+        return os.preadv(fd, [buffer], offset)
+    data = os.pread(fd, len(buffer), offset)
+    buffer[: len(data)] = data
+    return len(data)
 
 
 def size_of(file: BinaryIO) -> int:
@@ -96,6 +173,49 @@ def read_exactly(file: BinaryIO, length: int, path: str) -> bytes:
     if len(data) != length:
         raise FileRefused(path, f"ended after {len(data)} of {length} bytes (truncated while being read)")
     return data
+
+
+MAX_JSON_DEPTH = 64  # safetensors' parser stops at 128; the JSON of a checkpoint nests a few levels
+
+
+class _Duplicate(ValueError):
+    pass
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen: set[str] = set()
+        twice = next(key for key, _ in pairs if key in seen or seen.add(key))
+        raise _Duplicate(f"name {twice[:200]!r} appears twice in one object (which one is meant?)")
+    return found
+
+
+def parse_json(data: bytes) -> object:
+    """``data`` as JSON, taken as safetensors' reader takes it: UTF-8 only (``json.loads`` of bytes would also
+    guess UTF-16 and UTF-32), no name twice in one object, nesting at most ``MAX_JSON_DEPTH`` deep (checked
+    without recursion, so no ``RecursionError`` escapes, here or where the value is printed later). Raises
+    ``ValueError`` saying what is wrong."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise ValueError(f"not UTF-8 ({error})") from None
+    try:
+        value = json.loads(text, object_pairs_hook=_unique)
+    except _Duplicate as error:
+        raise ValueError(str(error)) from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"not JSON ({error})") from None
+    except RecursionError:  # nested deeper than Python's parser goes: far past the limit
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} deep") from None
+    pending = [(value, 0)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, (dict, list)):
+            if depth == MAX_JSON_DEPTH:
+                raise ValueError(f"nested more than {MAX_JSON_DEPTH} deep")
+            pending += [(child, depth + 1) for child in (item.values() if isinstance(item, dict) else item)]
+    return value
 
 
 def read_whole(directory: Path, name: str, limit: int | None = None) -> bytes:

@@ -109,7 +109,14 @@ def _checked_metadata(directory: Path, listed: dict | None) -> tuple[Metadata | 
     try:
         if listed is not None and files.METADATA not in listed:
             return None, [f"file {files.METADATA!r} is not in {MANIFEST}, so nothing vouches for it"]
-        metadata = safety.read_metadata(path, io.BytesIO(files.read_whole(directory, files.METADATA)))
+        with files.open_regular(directory, files.METADATA) as file:  # unpickled as it is read: no copy of it
+            size = files.size_of(file)
+            if size > files.METADATA_LIMIT:
+                raise files.FileRefused(
+                    path, f"{size} bytes, more than the {files.METADATA_LIMIT} a checkpoint's metadata is let hold "
+                    "(files.METADATA_LIMIT); refused unread"
+                )
+            metadata = safety.read_metadata(path, io.BufferedReader(files.Window(file, 0, size)))
         return metadata, files.storage_problems(directory, metadata, listed)
     except CheckpointError as error:
         return None, [str(error)]

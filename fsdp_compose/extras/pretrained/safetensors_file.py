@@ -1,10 +1,14 @@
-"""The safetensors format, read and written by hand: no dependency, and every header checked before use.
+"""The safetensors format, read through the checkpoint file layer and written as safetensors writes it.
 
 A file is an 8-byte little-endian header length ``n``, ``n`` bytes of JSON, then the raw tensor bytes.
 The JSON maps each tensor's name to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets from the
-end of the header) and may hold ``"__metadata__"`` (strings). A header read here is one whose every
-offset lies inside the file, whose entries do not overlap, and whose shapes match their byte counts:
-anything else raises ``PretrainedCheckpointError`` naming the file and the key, before a byte of data is used.
+end of the header) and may hold ``"__metadata__"`` (an object of strings). The header is read here, from
+the descriptor the file layer checked (``CheckedFile``), and checked as safetensors' own reader checks it:
+UTF-8 JSON, no name twice, no deep nesting, ``__metadata__`` an object of strings, every offset inside the
+file, shapes matching their byte counts, tensors back to back to the file's end. Anything else raises
+``PretrainedCheckpointError`` naming the file and the key, before a byte of data is used. (``safetensors``'
+``safe_open`` takes a path, not a descriptor, and maps the file: a name swapped after the checks would be
+opened anew, and a file truncated under a mapping kills the process with SIGBUS.)
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import struct
 
 import torch
+
+from ..checkpoint.files import CheckedFile, parse_json
 
 # safetensors' dtype names (those torch has a type for)
 DTYPES: dict[str, torch.dtype] = {
@@ -37,9 +42,15 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E5M2": torch.float8_e5m2,
 }
 NAMES: dict[torch.dtype, str] = {dtype: name for name, dtype in DTYPES.items()}
+# safetensors' own order of its dtypes (its writer puts the last first): by element size, so each tensor stays aligned
+_WRITE_ORDER = [
+    *("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3", "I16", "U16", "F16", "BF16"),
+    *("I32", "U32", "F32", "C64", "F64", "I64", "U64"),
+]
 # a header larger than this is not a real one (safetensors itself refuses above 100 MB)
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 METADATA_KEY = "__metadata__"
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
 
 
 class PretrainedCheckpointError(ValueError):
@@ -58,6 +69,7 @@ class TensorEntry:
     begin: int
     end: int
     file: str
+    source: CheckedFile | None = dataclasses.field(default=None, compare=False, repr=False)  # read from this
 
     @property
     def nbytes(self) -> int:
@@ -72,41 +84,44 @@ class Header:
     size: int  # of the whole file, in bytes
 
 
-def read_header(path: str) -> Header:
-    """The checked header of the safetensors file ``path`` (reads only the header's bytes)."""
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 8:
-            raise PretrainedCheckpointError(f"{path}: truncated: {size} bytes, fewer than the 8 of a header length")
-        (length,) = struct.unpack("<Q", f.read(8))
-        if length > MAX_HEADER_BYTES:
-            raise PretrainedCheckpointError(f"{path}: header length {length} is too large to be real (limit {MAX_HEADER_BYTES})")
-        if 8 + length > size:
-            raise PretrainedCheckpointError(f"{path}: truncated: the header needs {8 + length} bytes, the file has {size}")
-        raw = f.read(length)
+def read_header(file: CheckedFile) -> Header:
+    """The checked header of the open safetensors file ``file`` (reads only the header's bytes, from its descriptor)."""
+    path, size = file.path, file.size
+    if size < 8:
+        raise PretrainedCheckpointError(f"{path}: truncated: {size} bytes, fewer than the 8 of a header length")
+    (length,) = struct.unpack("<Q", file.read_at(0, 8))
+    if length > MAX_HEADER_BYTES:
+        raise PretrainedCheckpointError(f"{path}: header length {length} is too large to be real (limit {MAX_HEADER_BYTES})")
+    if 8 + length > size:
+        raise PretrainedCheckpointError(f"{path}: truncated: the header needs {8 + length} bytes, the file has {size}")
     try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise PretrainedCheckpointError(f"{path}: the header is not JSON ({error})") from None
+        header = parse_json(file.read_at(8, length))
+    except ValueError as error:
+        raise PretrainedCheckpointError(f"{path}: the header is refused: {error}") from None
     if not isinstance(header, dict):
         raise PretrainedCheckpointError(f"{path}: the header is not a JSON object")
-    metadata = header.pop(METADATA_KEY, None) or {}
+    metadata = header.pop(METADATA_KEY, None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise PretrainedCheckpointError(f"{path}: '{METADATA_KEY}' must map names to strings")
+        kind = "an object holding more than strings" if isinstance(metadata, dict) else _JSON_KINDS[type(metadata)]
+        raise PretrainedCheckpointError(
+            f"{path}: '{METADATA_KEY}' must be an object mapping names to strings, not {kind}"
+        )
     data_start = 8 + length
-    entries = {name: _entry(path, name, value, data_start, size) for name, value in header.items()}
-    _check_no_overlap(path, entries)
+    entries = {name: _entry(path, name, value, data_start, size, file) for name, value in header.items()}
+    _check_layout(path, entries, data_start, size)
     return Header(path, entries, metadata, size)
 
 
-def _entry(path: str, name: str, value: object, data_start: int, size: int) -> TensorEntry:
+def _entry(path: str, name: str, value: object, data_start: int, size: int, source: CheckedFile) -> TensorEntry:
     def bad(why: str) -> PretrainedCheckpointError:
         return PretrainedCheckpointError(f"{path}: tensor '{name}': {why}")
 
     if not isinstance(value, dict):
         raise bad("its header entry is not an object")
     dtype_name, shape, offsets = value.get("dtype"), value.get("shape"), value.get("data_offsets")
-    if dtype_name not in DTYPES:
+    if not isinstance(dtype_name, str) or dtype_name not in DTYPES:
         raise bad(f"dtype {dtype_name!r} is not one safetensors defines and torch has ({', '.join(DTYPES)})")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
         raise bad(f"shape {shape!r} is not a list of non-negative integers")
@@ -124,26 +139,38 @@ def _entry(path: str, name: str, value: object, data_start: int, size: int) -> T
     begin, end = data_start + offsets[0], data_start + offsets[1]
     if end > size:
         raise bad(f"data_offsets {offsets} end at byte {end}, beyond the file's {size} bytes (truncated?)")
-    return TensorEntry(name, dtype, tuple(shape), begin, end, path)
+    return TensorEntry(name, dtype, tuple(shape), begin, end, path, source)
 
 
-def _check_no_overlap(path: str, entries: dict[str, TensorEntry]) -> None:
-    by_start = sorted((e for e in entries.values() if e.nbytes), key=lambda e: e.begin)
-    for before, after in zip(by_start, by_start[1:]):
-        if after.begin < before.end:
+def _check_layout(path: str, entries: dict[str, TensorEntry], data_start: int, size: int) -> None:
+    """Tensors back to back from the header's end to the file's, as safetensors writes them and its reader
+    requires: no byte belongs to two tensors, none to no tensor."""
+    at, before = data_start, None
+    for entry in sorted(entries.values(), key=lambda e: (e.begin, e.end)):
+        if entry.begin < at:
             raise PretrainedCheckpointError(
-                f"{path}: tensors '{before.name}' and '{after.name}' overlap "
-                f"(bytes {before.begin}-{before.end} and {after.begin}-{after.end})"
+                f"{path}: tensors '{before.name}' and '{entry.name}' overlap "
+                f"(bytes {before.begin}-{before.end} and {entry.begin}-{entry.end})"
             )
+        if entry.begin > at:
+            raise PretrainedCheckpointError(
+                f"{path}: bytes {at}-{entry.begin} belong to no tensor (safetensors lays tensors back to back)"
+            )
+        at, before = entry.end, entry
+    if at != size:
+        raise PretrainedCheckpointError(
+            f"{path}: {size - at} bytes after the last tensor's end (byte {at}), which safetensors' reader refuses"
+        )
 
 
 def header_bytes(tensors: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
-    """The header (length prefix included) of a file holding ``tensors`` back to back in that order, and each
-    tensor's byte offset from the start of the file. The JSON is padded with spaces to a multiple of 8, as
-    safetensors writes it, so the data starts aligned."""
+    """The header (length prefix included) of a file holding ``tensors`` back to back, and each tensor's byte
+    offset from the start of the file. Laid out as safetensors' writer lays them (its dtype order, widest
+    first, then by name) after a header padded with spaces to a multiple of 8: every tensor starts at a
+    multiple of its element size, as zero-copy readers expect."""
     header: dict[str, object] = {METADATA_KEY: metadata}
     offset, relative = 0, {}
-    for name, dtype, shape in tensors:
+    for name, dtype, shape in sorted(tensors, key=lambda t: (-_WRITE_ORDER.index(NAMES[t[1]]), t[0])):
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         relative[name] = offset

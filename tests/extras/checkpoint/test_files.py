@@ -4,7 +4,7 @@ One pool of ranks crafts each case as an attacker would (checksums forged to mat
 crafter could write them) and loads it on every rank: outside and absolute paths, symlinks to a file
 and to ``/dev/zero``, a FIFO, a directory, forged manifests, compressed records, lying lengths and
 numels, deep ``extra``, and the same against a checkpoint torch's ``dcp.save`` wrote. Each must be
-refused on every rank with the same ``CheckpointError`` naming the file or the key, within seconds;
+refused on every rank with the same ``CheckpointError`` naming the file or the key, without an unbounded read;
 an audit hook on ``open`` shows nothing outside the case's directory is opened; peak memory stays
 under 64 MiB plus the checkpoint's size; the model is left untouched.
 """
@@ -36,7 +36,7 @@ from fsdp_compose.extras.checkpoint import integrity
 from fsdp_compose.extras.checkpoint.files import check_payload
 from fsdp_compose.extras.checkpoint.reader import CheckedReader
 from fsdp_compose.extras.checkpoint.safety import MAX_DEPTH, not_plain
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 from tests.extras.checkpoint.test_save_load import _full_params, _setup, _train
 
 BOMB_BYTES = 256 << 20  # what a compressed record inflates to: far over the memory bound
@@ -354,8 +354,9 @@ def _crafted_cases(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # every crafted case loaded on 2 ranks
 def test_crafted_checkpoints_read_only_their_own_files(tmp_path):
-    results = run_on_ranks(2, _crafted_cases, str(tmp_path), timeout=300)
+    results = run_on_ranks(2, _crafted_cases, str(tmp_path))
     first = results[0]
     if os.environ.get("SHOW_CASES"):
         for name in first["expected"]:
@@ -370,7 +371,9 @@ def test_crafted_checkpoints_read_only_their_own_files(tmp_path):
             assert case["message"] == first[name]["message"], (name, rank, case["message"], first[name]["message"])
             for needle in needles:
                 assert needle in case["message"], (name, needle, case["message"])
-            assert case["seconds"] < 30, (name, rank, case["seconds"])
+            # a hang detector, not a timing: a refusal takes well under a second, an unbounded read
+            # (/dev/zero, a lying length) never ends; 2 minutes tells them apart on any machine
+            assert case["seconds"] < hang_timeout(120), (name, rank, case["seconds"])
             inside = out["dirs"][name] + "/"
             for path in case["opened"]:  # imports aside, only regular files of the case's own directory
                 if path.endswith((".py", ".pyc", ".so")) and str(tmp_path) not in path:

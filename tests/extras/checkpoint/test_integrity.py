@@ -10,10 +10,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch.distributed as dist
 
 from fsdp_compose import CheckpointError, load_checkpoint, save_checkpoint
@@ -78,7 +80,7 @@ def _corrupted_files(root: str) -> dict:
 
 
 def test_corrupt_files_are_refused_by_name_on_every_rank(tmp_path):
-    results = run_on_ranks(2, _corrupted_files, str(tmp_path), timeout=180)
+    results = run_on_ranks(2, _corrupted_files, str(tmp_path))
     assert results[0] == results[1]
     for (name, how), (refused, fell_back) in results[0].items():
         expected = {"delete": "missing", "truncate": "bytes, ", "flip": "checksum mismatch"}[how]
@@ -168,8 +170,9 @@ def _faults(root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # a save killed at each write point
 def test_a_save_killed_at_each_write_point_leaves_a_loadable_checkpoint(tmp_path):
-    results = run_on_ranks(2, _faults, str(tmp_path), timeout=180)
+    results = run_on_ranks(2, _faults, str(tmp_path))
     assert results[0] == results[1]
     r = results[0]
     for point, loaded in [
@@ -183,3 +186,36 @@ def test_a_save_killed_at_each_write_point_leaves_a_loadable_checkpoint(tmp_path
         assert r[point]["left"] == [f".{point}.previous", point], (point, r[point])  # no .partial left
         assert r[point]["after"] == "step 4"
     assert r["owned"].endswith(".owned.partial' belongs to a save still running"), r["owned"]
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) << 10 for line in status if line.startswith("VmHWM:"))
+
+
+def _huge_metadata(root: str) -> dict:
+    """A 512 MiB sparse ``.metadata`` (torch's DCP layout: no checksums) is refused from its size, unread."""
+    path = Path(root, "ckpt")
+    model, opt = _setup()
+    save_checkpoint(path, model, opt, step=1)
+
+    def swell():
+        (path / integrity.MANIFEST).unlink()
+        os.truncate(path / ".metadata", 512 << 20)
+
+    _on_rank0(swell)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")  # peak RSS from here
+    baseline, start = _peak_rss(), time.perf_counter()
+    message = _load(path, model, opt)
+    return {"message": message, "seconds": time.perf_counter() - start, "growth": _peak_rss() - baseline}
+
+
+def test_a_huge_metadata_file_is_refused_unread(tmp_path):
+    """``.metadata`` was read whole with no limit (+600 MiB a rank for a sparse file): now its size is checked
+    first (``files.METADATA_LIMIT``) and it is unpickled from the checked descriptor, never copied whole."""
+    results = run_on_ranks(2, _huge_metadata, str(tmp_path), timeout=120)
+    assert results[0]["message"] == results[1]["message"]
+    for r in results:
+        assert f"/ckpt/.metadata': {512 << 20} bytes, more than the {256 << 20}" in r["message"], r["message"]
+        assert r["seconds"] < 10 and r["growth"] < (32 << 20), r

@@ -1,7 +1,7 @@
 """estimate(): the fake step's per-rank peak and traffic, checked against real gloo runs of the same step.
 
-The same build functions (tests/extras/observe/estimate_jobs.py) run on real gloo ranks, where the C
-allocator's own count (``allocator_counter.py``) measures a warm-up step and a steady one, and in estimate's
+The same build functions (tests/extras/observe/estimate_jobs.py) run on real gloo ranks, where c10's CPU
+allocator's own reports (``live_storage.py``) measure a warm-up step and a steady one, and in estimate's
 fake subprocess, once per rank (``like="gloo"``: gloo's own copies and staging buffers counted). All estimates
 share one subprocess to save start-ups. ``test_never_low.py`` checks every configuration issue 58 names.
 """
@@ -16,28 +16,27 @@ import pytest
 from fsdp_compose import estimate
 from fsdp_compose.extras.observe.estimate import CATEGORIES, estimate_many
 from fsdp_compose.extras.observe.fake_step import traffic
-from tests.extras.observe.allocator_counter import LiveStorage, library, run_counted
+from tests.extras.observe.live_storage import LiveStorage
+from tests.harness import hang_timeout, run_on_ranks
 from tests.extras.observe.estimate_jobs import JOBS, LM, fake_built, fp32
 
 CASES = [(name, world) for name in JOBS for world in (2, 3)]
 
 
 def _real_step(name: str) -> dict:
-    counter = LiveStorage()
     gc.collect()
-    base = counter.current()  # what the worker held before the job
-    model, optimizer, loss_fn = JOBS[name]()
-    counter.reset_peak()
-    loss_fn().backward()  # warm-up: records the order, creates the optimizer state
-    optimizer.step()
-    optimizer.zero_grad()
-    before = traffic(model)
-    loss_fn().backward()
-    optimizer.step()
-    optimizer.zero_grad()
-    after = traffic(model)
-    peak = counter.peak() - base
-    return {"peak": peak, "traffic": {k: [a - b for a, b in zip(after[k], before[k])] for k in after}}
+    with LiveStorage() as live:  # entered before the job is built, so that every free of its storages counts
+        model, optimizer, loss_fn = JOBS[name]()
+        live.reset_peak()
+        loss_fn().backward()  # warm-up: records the order, creates the optimizer state
+        optimizer.step()
+        optimizer.zero_grad()
+        before = traffic(model)
+        loss_fn().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = traffic(model)
+    return {"peak": live.peak_bytes, "traffic": {k: [a - b for a, b in zip(after[k], before[k])] for k in after}}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +46,7 @@ def estimates():
     jobs = [(JOBS[name], world, rank) for name, world in CASES for rank in (0, world - 1)]
     jobs += [(fp32, 2, 0, "nccl"), (fake_built, 2, 0)]
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(estimate_many, jobs, like="gloo", timeout=120)
+        future = pool.submit(estimate_many, jobs, like="gloo", timeout=hang_timeout())
 
         def get() -> dict:
             return {(e.world_size, e.rank, build.__name__, e.like): e for (build, *_), e in zip(jobs, future.result())}
@@ -55,10 +54,9 @@ def estimates():
         yield get
 
 
-@pytest.mark.skipif(library() is None, reason="no C compiler to build live_storage.c")
 @pytest.mark.parametrize("name, world", CASES)
 def test_estimated_peak_and_traffic_match_a_real_run(estimates, name, world):
-    reals = run_counted(world, _real_step, name)
+    reals = run_on_ranks(world, _real_step, name)
     for rank in (0, world - 1):  # every rank but the last holds the same shards as rank 0
         real, e = reals[rank], estimates()[(world, rank, name, "gloo")]
         assert e.collectives == real["traffic"], (rank, e.collectives, real["traffic"])

@@ -75,7 +75,14 @@ def _predicted_vs_counted(config):
 
 
 @pytest.mark.parametrize(
-    "config", ["one_d", "hsdp", "tensor_parallel", "offload", "tied_mixed_precision", "reshard_to_2", "blocks_only"]
+    "config",
+    [
+        "one_d",
+        *(  # 4 ranks each: in the slow run
+            pytest.param(config, marks=pytest.mark.slow)
+            for config in ("hsdp", "tensor_parallel", "offload", "tied_mixed_precision", "reshard_to_2", "blocks_only")
+        ),
+    ],
 )
 def test_every_configuration_predicts_the_bytes_it_moves(config):
     results = run_on_ranks(4, _predicted_vs_counted, config)

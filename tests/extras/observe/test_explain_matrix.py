@@ -8,6 +8,7 @@ and hands to ``all_to_all_single``.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -138,6 +139,7 @@ def build_for_estimate():
     return model, lambda params: OwnerComputedMuon(params, lr=0.02), loss_fn
 
 
+@pytest.mark.slow  # an estimate subprocess per rank
 def test_estimate_counts_the_owners_momentum_by_rank() -> None:
     rank0, rank1 = (estimate(build_for_estimate, 2, rank=r) for r in (0, 1))
     assert rank0.at_peak.get("optimizer state", 0) == 48 * 32 * 4  # the whole 48x32 matrix it owns

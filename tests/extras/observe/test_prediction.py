@@ -36,7 +36,7 @@ def _measure(config):
 
 
 CASES = [(c, ws) for c in ("gpt", "gpt_tied_mixed_precision", "gpt_offload") for ws in (2, 3)]
-CASES += [("gpt_hsdp", 4), ("gpt_quantized", 2)]
+CASES += [pytest.param("gpt_hsdp", 4, marks=pytest.mark.slow), ("gpt_quantized", 2)]
 
 
 @pytest.mark.skipif(library() is None, reason="no C compiler to build live_storage.c")

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+from tests.harness import hang_timeout
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
@@ -12,7 +14,7 @@ def _run(*args: str, rerun_on_profiler_abort: bool = False) -> str:
     env = dict(os.environ, PYTHONPATH=ROOT)  # this checkout's fsdp_compose, whatever is installed
     done = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples", "train.py"), *args],
-        capture_output=True, text=True, timeout=180, env=env,
+        capture_output=True, text=True, timeout=hang_timeout(), env=env,
     )
     finished = "terminate called without an active exception" in done.stderr and "saved checkpoint of step 2" in done.stdout
     if done.returncode != 0 and rerun_on_profiler_abort and finished:

@@ -104,9 +104,9 @@ def _shard_dim_1(param: nn.Parameter):
     "kind, world, dtype, options",
     [
         # uneven rows (3 ranks), fp32 parameters from a bf16 file, a meta-built model's rotary buffers
-        ("llama", 3, torch.float32, "plain"),
+        pytest.param("llama", 3, torch.float32, "plain", marks=pytest.mark.slow),
         # one rank: bf16 read straight into the shards' bytes
-        ("llama", 1, torch.bfloat16, "plain"),
+        pytest.param("llama", 1, torch.bfloat16, "plain", marks=pytest.mark.slow),
         # tied embeddings, bf16 parameters, Shard(1), CPU offload, mixed precision; saved the non-shared way
         ("gpt2", 2, torch.bfloat16, "shard1_offload_mp"),
     ],
@@ -122,7 +122,7 @@ def test_load_train_save_matches_transformers(kind, world, dtype, options, tmp_p
             "offload_policy": CPUOffloadPolicy(pin_memory=False),
             "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         }
-    results = run_on_ranks(world, _roundtrip, kind, str(tmp_path / "hf"), str(tmp_path / "out"), dtype, kwargs, timeout=240)
+    results = run_on_ranks(world, _roundtrip, kind, str(tmp_path / "hf"), str(tmp_path / "out"), dtype, kwargs)
     for r in results:
         assert r["missing"] == [] and r["unexpected"] == [], r
         assert r["loaded_equal"], "right after loading, the logits differ from from_pretrained's"
@@ -175,6 +175,6 @@ def _tp_and_hsdp(ckpt: str, out: str) -> dict:
 
 def test_tensor_parallel_and_hsdp_load_and_save_bitwise(tmp_path) -> None:
     pytest.importorskip("safetensors")
-    results = run_on_ranks(4, _tp_and_hsdp, str(tmp_path / "mlp.safetensors"), str(tmp_path / "out"), timeout=240)
+    results = run_on_ranks(4, _tp_and_hsdp, str(tmp_path / "mlp.safetensors"), str(tmp_path / "out"))
     assert all(r["tp_loaded"] and r["hsdp_loaded"] for r in results), results
     assert results[0]["tp_saved"] and results[0]["hsdp_saved"], results[0]
