@@ -3,9 +3,9 @@ tensor storage on every rank, and within 5% of it but for the buffers whose life
 (``_check``); ``explain()``'s figure (sharded state and groups in flight, without activations) is within
 [1.00, 1.05] of the same fake step's largest non-activation memory.
 
-The real run: 3 AdamW steps of each job (``never_low_jobs.py``) on gloo ranks, its peak counted below torch by
-``allocator_counter.py`` (every block c10's CPU allocator takes, on every thread: gloo's own copies included),
-which ``test_allocator_counter.py`` checks against sizes computed by hand. The estimate: ``estimate(like="gloo")``
+The real run: 3 AdamW steps of each job (``never_low_jobs.py``) on gloo ranks, its peak counted by
+``live_storage.py`` (every storage c10's CPU allocator reports, on every thread: gloo's own copies included),
+which ``test_live_storage.py`` checks against sizes computed by hand. The estimate: ``estimate(like="gloo")``
 for each rank, in one subprocess per world size. ``test_ratio_table`` prints every ratio (``pytest -s``).
 """
 
@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 
 from fsdp_compose.extras.observe.estimate import estimate_many
-from tests.extras.observe.allocator_counter import LiveStorage, library, run_counted
+from tests.extras.observe.live_storage import LiveStorage
 from tests.extras.observe.never_low_jobs import JOBS, wide
-
-pytestmark = pytest.mark.skipif(library() is None, reason="no C compiler to build live_storage.c")
+from tests.harness import run_on_ranks
 
 STEPS = 3
 # the default run: the cases the issue named worst, at 3 ranks (one pool of ranks); every case at 2, 3 and 8 is slow
@@ -39,18 +38,15 @@ RATIOS: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
 
 def _real_peak(name: str) -> int:
     """This rank's peak of live tensor storage over the job's first ``STEPS`` steps (its build excluded)."""
-    counter = LiveStorage()
     gc.collect()
-    base = counter.current()  # what the worker held before: not the job's
-    model, optimizer, loss_fn = JOBS[name]()
-    peak = 0
-    for _ in range(STEPS):
-        counter.reset_peak()
-        loss_fn().backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        peak = max(peak, counter.peak() - base)
-    return peak
+    with LiveStorage() as live:  # entered before the build, so that every free of the job's storages counts
+        model, optimizer, loss_fn = JOBS[name]()
+        live.reset_peak()
+        for _ in range(STEPS):
+            loss_fn().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return live.peak_bytes
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +74,7 @@ def _check(estimates, name: str, world: int) -> None:
     whose life gloo's threads decide (``settled_peak_bytes``: an all-gather's staging, counted to the
     transfer's latest end) are left out; a real step's peak lies between the two. And explain's figure is
     the fake step's largest non-activation memory."""
-    reals = run_counted(world, _real_peak, name, timeout=600)
+    reals = run_on_ranks(world, _real_peak, name, timeout=600)
     found = [(real, e) for real, e in zip(reals, estimates(name, world))]
     RATIOS[(name, world)] = [
         (e.peak_bytes / real, e.settled_peak_bytes / real, e.predicted_peak_bytes / e.peak_without_activations)
