@@ -3,8 +3,8 @@
 The Llama-3-shaped model of ``benchmarks/estimate_llama.py`` (grouped-query attention, rotary
 embeddings, SwiGLU, 2048 tokens per rank, AdamW), built on the meta device and **not** sharded:
 ``plan`` weighs groups, activation checkpointing, ``reshard_after_forward`` and CPU offload (for a
-CUDA device) with fp32 parameters gathered in bf16, and measures the chosen one. Prints the plan,
-its wall time and the subprocess's CPU time:
+CUDA device) with fp32 parameters gathered in bf16, and measures the chosen one. Prints the plan
+with the configurations around the chosen one, its wall time and the subprocess's CPU time:
 
     python -m benchmarks.plan_llama                   # Llama 3 8B, 64 ranks, 16 GiB
     python -m benchmarks.plan_llama 70b 512 60GiB     # another shape, world size and budget
@@ -64,7 +64,9 @@ def main(argv: list[str]) -> None:
         f"{time.perf_counter() - began:.1f} s ({_children_cpu() - cpu:.1f} s of CPU in the subprocess; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
     )
-    print(chosen)
+    print(chosen.summary())
+    print()
+    print(chosen.table(rows=4))  # print(chosen) shows all the configurations weighed
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ configuration's figure is the one ``estimate`` would report for it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -22,8 +22,8 @@ BUFFERS = "buffers"  # stay on the device under CPU offload, unlike the sharded 
 class CountingTimeline(CollectiveTimeline):
     """``CollectiveTimeline`` that also sums the FLOPs of the operators it sees (torch's flop formulas)."""
 
-    def __init__(self, hold_reduce_inputs: bool) -> None:
-        super().__init__(hold_reduce_inputs, inherited=frozenset({UNSHARDED_GRADIENTS}))
+    def __init__(self, like: str) -> None:
+        super().__init__(like, inherited=frozenset({UNSHARDED_GRADIENTS}))
         self.flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -49,9 +49,22 @@ class Measured:
         return self.offloaded_peak_bytes if offload else self.peak_bytes
 
 
-def measure(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, hold_reduce_inputs: bool) -> Measured:
-    timeline = CountingTimeline(hold_reduce_inputs)
-    result = measured_step(model, optimizer, loss_fn, hold_reduce_inputs, timeline=timeline)
+def highest(first: Measured, then: Measured) -> Measured:
+    """Two steps of one configuration as ``estimate`` reports them: the higher peak, the later step's traffic."""
+    top = first if first.peak_bytes > then.peak_bytes else then
+    return replace(
+        then,
+        peak_bytes=top.peak_bytes,
+        phase=top.phase,
+        at_peak=top.at_peak,
+        offloaded_peak_bytes=max(first.offloaded_peak_bytes, then.offloaded_peak_bytes),
+    )
+
+
+def measure(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, like: str, earlier: dict) -> Measured:
+    """One step; ``earlier``: the tensors alive before the job was built, as ``measured_step`` takes them."""
+    timeline = CountingTimeline(like)
+    result = measured_step(model, optimizer, loss_fn, like, earlier, timeline=timeline)
     timeline.label(list(model.buffers()), BUFFERS)
     offloaded, _ = timeline.peak_without(PARAMETERS, GRADIENTS, OPTIMIZER_STATE)
     return Measured(

@@ -17,6 +17,7 @@ import pickle
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -27,9 +28,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ... import FSDPModule, MixedPrecisionPolicy
 from ...extras_api import group_facts, group_of, groups_in
-from ..observe.fake_step import _fake_mode_of, _step, load_build
+from ..observe.fake_step import _fake_mode_of, _tensors_now, load_build
 from .config import UNITS, Config, apply_config
-from .measure import Measured, measure
+from .measure import Measured, highest, measure
 from .search import CHOSEN, COSTLIER, FITS, Calibration, Rates, configurations, groupings, price, rank
 from .structure import Units, children_with_parameters, find_units
 
@@ -76,23 +77,25 @@ def _unsharded_bytes(module: nn.Module, mp_policy: MixedPrecisionPolicy) -> int:
     return sum(p.numel() * (mp_policy.param_dtype or p.dtype).itemsize for p in module.parameters())
 
 
-def fake_steps(build, units: Units, config: Config, mp_policy, hold: bool, checkpoint_all: bool = False):
-    """Build, shard as ``config`` says, materialize on fake tensors, warm up, measure. With
-    ``checkpoint_all`` two steps are measured: every unit checkpointed, then none.
+def fake_steps(build, units: Units, config: Config, mp_policy, like: str, checkpoint_all: bool = False):
+    """Build, shard as ``config`` says, materialize on fake tensors and measure two steps, as ``estimate``
+    does (its figure: the higher). With ``checkpoint_all`` every unit is checkpointed in those two, and a
+    third step is measured with none.
 
-    Returns the measurements, the model's group count, each unit's all-gather bytes per call and
-    this rank's shard bytes."""
+    Returns the measurements (checkpointed, then plain), the model's group count, each unit's all-gather
+    bytes per call and this rank's shard bytes."""
+    earlier = {key: weakref.ref(t) for key, t in _tensors_now().items()}  # the previous builds' leftovers
     model, make_optimizer, loss_fn = call_build(build)
     switches = apply_config(model, units, config, mp_policy, checkpoint_all)
     with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         optimizer = make_optimizer(model.parameters())
-        _step(model, optimizer, loss_fn, None)  # records the order; the optimizer state appears
-        measured = [measure(model, optimizer, loss_fn, hold)]
+        first = measure(model, optimizer, loss_fn, like, earlier)  # records the order; the optimizer state appears
+        measured = [highest(first, measure(model, optimizer, loss_fn, like, earlier))]
         if checkpoint_all:
             for switch in switches:
                 switch.enabled = False
-            measured.append(measure(model, optimizer, loss_fn, hold))
+            measured.append(measure(model, optimizer, loss_fn, like, earlier))
     gather = []
     for name in units.names:
         handle = group_of(model.get_submodule(name))
@@ -106,7 +109,7 @@ def fake_steps(build, units: Units, config: Config, mp_policy, hold: bool, check
 def search(spec: dict) -> dict:
     build = load_build(spec)
     mp_policy = pickle.loads(base64.b64decode(spec["mp_policy"]))
-    hold, budget, rates = spec["hold_reduce_inputs"], spec["budget"], Rates(**spec["rates"])
+    like, budget, rates = spec["like"], spec["budget"], Rates(**spec["rates"])
     model = call_build(build)[0]
     units = find_units(model)
     n = len(units.names)
@@ -120,9 +123,9 @@ def search(spec: dict) -> dict:
     gather, sharded, steps = [0] * n, 0, 0
     for grouping in options:
         measured, groups[grouping], unit_gather, sharded = fake_steps(
-            build, units, Config(grouping, checkpointed=n), mp_policy, hold, checkpoint_all=n > 0
+            build, units, Config(grouping, checkpointed=n), mp_policy, like, checkpoint_all=n > 0
         )
-        steps += len(measured)
+        steps += len(measured) + 1  # the first two measured as one
         if grouping == UNITS:
             gather = unit_gather
         checkpointed[grouping], plain[grouping] = measured[0], measured[-1]
@@ -130,8 +133,8 @@ def search(spec: dict) -> dict:
     candidates = [price(cal, config, rates) for config in configurations(n, options, spec["accelerator"])]
     chosen = None
     for candidate in rank(candidates, budget)[:MAX_TRIES]:
-        measured, *_ = fake_steps(build, units, candidate.config, mp_policy, hold)
-        steps += 1
+        measured, *_ = fake_steps(build, units, candidate.config, mp_policy, like)
+        steps += 2
         candidate.measured_bytes = measured[0].peak(candidate.config.offload)
         if candidate.measured_bytes <= budget:
             candidate.verdict, chosen = CHOSEN, candidate
@@ -153,12 +156,16 @@ def run(spec: dict) -> dict:
 
     warnings.simplefilter("ignore")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec["world_size"])
+    get_backend = dist.get_backend
+    if spec["like"] == "gloo":  # the runtime takes gloo's paths, as in estimate's fake step
+        dist.get_backend = lambda group=None: "gloo" if get_backend(group) == "fake" else get_backend(group)
     started = time.perf_counter()
     try:
         result = search(spec)
     except _BadBuild as error:
         result = {"error": {"kind": error.kind, "message": str(error)}}
     finally:
+        dist.get_backend = get_backend
         dist.destroy_process_group()
     result["seconds"] = round(time.perf_counter() - started, 2)
     return result

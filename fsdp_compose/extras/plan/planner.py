@@ -111,16 +111,30 @@ class Plan:
             ]
         )
 
+    def table(self, rows: int | None = None) -> str:
+        """Every configuration weighed, or the ``rows`` cheapest before and after the chosen one."""
+        if rows is None:
+            return table(self.candidates)
+        chosen = next(c for c in self.candidates if c.verdict == CHOSEN)
+        return table(self.candidates, chosen, rows)
+
     def __str__(self) -> str:
-        return "\n".join([self.summary(), "", table(self.candidates), legend(self.rates)])
+        return "\n".join([self.summary(), "", self.table(), legend(self.rates)])
 
 
-def table(candidates: list[Candidate]) -> str:
-    """Every configuration weighed, cheapest first: its predicted peak, traffic, recompute and verdict."""
-    rows = [("grouping", "groups", "checkpointed", "kept", "offload", "predicted peak", "fake step",
-             "moved / step", "recompute", "cost", "verdict")]
-    for c in sorted(candidates, key=order):
-        rows.append((
+def table(candidates: list[Candidate], around: Candidate | None = None, rows: int = 0) -> str:
+    """The configurations weighed, cheapest first: predicted peak, traffic, recompute and verdict. With
+    ``around``, only the ``rows`` cheapest before it and after it, and a line saying how many are left out."""
+    ordered = sorted(candidates, key=order)
+    before = after = 0
+    if around is not None:
+        at = ordered.index(around)
+        before, after = max(at - rows, 0), max(len(ordered) - at - 1 - rows, 0)
+        ordered = ordered[before : len(ordered) - after]
+    lines = [("grouping", "groups", "checkpointed", "kept", "offload", "predicted peak", "fake step",
+              "moved / step", "recompute", "cost", "verdict")]
+    for c in ordered:
+        lines.append((
             c.config.grouping,
             str(c.groups),
             str(c.config.checkpointed),
@@ -133,7 +147,12 @@ def table(candidates: list[Candidate]) -> str:
             f"{c.cost_seconds * 1e3:.2f} ms",
             c.verdict,
         ))
-    return _table(rows)
+    text = _table(lines)
+    if before:
+        text += f"\n({before} cheaper configurations left out, all over the budget)"
+    if after:
+        text += f"\n({after} costlier configurations left out)"
+    return text
 
 
 def legend(rates: Rates) -> str:
@@ -200,7 +219,7 @@ def plan(
         "world_size": world_size,
         "budget": nbytes,
         "accelerator": device != "cpu",
-        "hold_reduce_inputs": like == "nccl",
+        "like": like,
         "mp_policy": base64.b64encode(pickle.dumps(mp_policy)).decode(),  # dtypes and flags: plain pickle
         "rates": dataclasses.asdict(rates),
         "sys_path": sys_path,

@@ -8,6 +8,7 @@ rank's batches. The search itself runs in plan's subprocess on fake tensors.
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 from expecttest import assert_expected_inline
@@ -27,12 +28,12 @@ STEPS = 3
 
 
 def _planned_run(chosen: Plan) -> dict:
-    model, make_optimizer, loss_fn = plan_jobs.gpt()
-    chosen.apply(model)
-    optimizer = make_optimizer(model.parameters())
     losses = []
-    with LiveStorage() as live:
-        live.track_training_state(model, optimizer)
+    with LiveStorage() as live:  # entered before the job is built: its tensors count from their allocation
+        model, make_optimizer, loss_fn = plan_jobs.gpt()
+        chosen.apply(model)
+        optimizer = make_optimizer(model.parameters())
+        live.reset_peak()  # the steps' peak: not the unsharded model's before apply
         for _ in range(STEPS):
             loss = loss_fn()
             loss.backward()
@@ -103,7 +104,8 @@ def test_nothing_fits():
         plan(plan_jobs.flat, 2, "1KiB")
     message = str(caught.value)
     assert "no configuration fits 1.0 KiB per rank (1024 bytes) at world size 2" in message
-    assert "the smallest predicted peak is" in message and "checkpointing 2 of 2 units" in message
+    assert re.search(r"the smallest predicted peak is [\d.]+ KiB, with (one group|a group per unit)", message), message
+    assert "Configurations weighed:" in message and message.count("over budget") == len(caught.value.args[0].splitlines()) - 5
     again = pickle.loads(pickle.dumps(caught.value))
     assert type(again) is BudgetError and str(again) == message
 
@@ -174,3 +176,9 @@ units          3             1     0       no         7.0 MiB    6.0 MiB       4
 children       5             2     0       no         5.0 MiB          -       4.0 MiB  2.0 GFLOP  0.09 ms   costs more
 checkpointed: the first units' forward recomputed in backward; kept: the last units with reshard_after_forward=False;
 cost: bytes moved at 50 GB/s (CPU offload's copies at 25 GB/s) plus recompute at 400 TFLOP/s""")
+    assert_expected_inline(chosen.table(rows=0), """\
+grouping  groups  checkpointed  kept  offload  predicted peak  fake step  moved / step  recompute     cost  verdict
+--------  ------  ------------  ----  -------  --------------  ---------  ------------  ---------  -------  -------
+units          3             1     0       no         7.0 MiB    6.0 MiB       4.0 MiB  1.0 GFLOP  0.09 ms   chosen
+(1 cheaper configurations left out, all over the budget)
+(1 costlier configurations left out)""")
