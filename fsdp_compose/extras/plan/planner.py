@@ -194,8 +194,8 @@ def plan(
     0, a quarter, half, three quarters or all of the blocks; ``reshard_after_forward=False`` on
     none, the last, or every block; CPU offload of parameters and optimizer state where
     ``device`` is an accelerator (default: this machine's, else ``"cpu"``). A model without
-    repeated blocks has the root's children instead, or the root alone. Two or three fake steps
-    price every candidate; among those predicted to fit, the least step cost wins (bytes moved
+    repeated blocks has the root's children instead, or the root alone. Three fake steps per
+    grouping (every block checkpointed, twice, then none) price every candidate; among those predicted to fit, the least step cost wins (bytes moved
     over ``rates``' link and host bandwidths plus recompute FLOPs over its FLOP rate; ties to
     fewer groups), and its own fake step gives ``Plan.peak_bytes`` (if that is over the budget,
     the next is tried). ``mp_policy`` is yours and kept (plan never changes numerics); ``like``
