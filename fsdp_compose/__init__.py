@@ -7,7 +7,9 @@ torch's FSDP2 ``fully_shard`` runs after changing the import.
 Beyond FSDP2: ``explain(model)`` prints the sharding plan with its traffic and predicted memory;
 ``estimate(build, world_size=N)`` answers "will it fit?" before a launch, running one training
 step of ``build``'s model as one of ``N`` ranks on fake tensors in a subprocess and reporting the
-per-rank peak memory by category (activations included) and the collectives per step.
+per-rank peak memory by category (activations included) and the collectives per step;
+``plan(build, world_size=N, budget="60GiB")`` chooses how to shard it to fit (groups, activation
+checkpointing, ``reshard_after_forward``, CPU offload) and ``Plan.apply(model)`` shards it so.
 ``load_pretrained`` / ``save_pretrained`` read and write Hugging Face safetensors checkpoints straight
 into and out of the shards (each rank only its rows).
 ``process_wide_effects()`` lists what ``fully_shard`` installed for the whole process (an optimizer hook, an
@@ -51,6 +53,9 @@ _EXTRAS = {
     "collective_bytes": ("fsdp_compose.extras.observe.explain", "collective_bytes"),
     "estimate": ("fsdp_compose.extras.observe.estimate", "estimate"),
     "Estimate": ("fsdp_compose.extras.observe.estimate", "Estimate"),
+    "plan": ("fsdp_compose.extras.plan.planner", "plan"),
+    "Plan": ("fsdp_compose.extras.plan.planner", "Plan"),
+    "BudgetError": ("fsdp_compose.extras.plan.planner", "BudgetError"),
     "save_checkpoint": ("fsdp_compose.extras.checkpoint", "save_checkpoint"),
     "load_checkpoint": ("fsdp_compose.extras.checkpoint", "load_checkpoint"),
     "checkpoint_exists": ("fsdp_compose.extras.checkpoint", "exists"),
@@ -124,6 +129,9 @@ __all__ = [
     "explain",
     "estimate",
     "Estimate",
+    "plan",
+    "Plan",
+    "BudgetError",
     "Explanation",
     "collective_bytes",
     "ExecutionOrderError",

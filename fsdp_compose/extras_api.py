@@ -90,6 +90,7 @@ class ParamFacts:
     gather_bytes: int  # what this rank sends per all-gather (a codec's wire bytes; the protocol's last inputs)
     quantized: bool  # sent through a codec (``set_gather_codec``), dequantized into the gather dtype
     offloaded: bool  # the shard lives on the CPU, the unsharded parameter on the accelerator
+    had_gradient: bool | None = None  # whether this rank had a gradient of it at its last reduction (None: none yet)
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ def _param_facts(p: _ShardedParam) -> ParamFacts:
         gather_bytes=_gather_bytes(p),
         quantized=p.extension.codec is not None if p.extension is not None else p.wire is not None,
         offloaded=p.layout.offloaded,
+        had_gradient=p.had_gradient,
     )
 
 

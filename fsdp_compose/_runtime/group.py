@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import (
@@ -70,6 +71,7 @@ class PendingReduce:
     # where the read is a host sync: a parameter no rank had a gradient for then gets zeros instead of
     # keeping ``.grad``)
     accumulate_all: bool
+    present: tuple[bool, ...] = ()  # which parameters had a gradient on this rank
 
 
 class PostForward(NamedTuple):
@@ -248,7 +250,8 @@ class ParamGroup:
                 rows, present = [], []
                 for p in params:
                     grad = unsharded_grad(p)
-                    present.append(grad is not None)
+                    p.had_gradient = grad is not None
+                    present.append(p.had_gradient)
                     rows.append(padded_grad_rows(p, grad))
                     clear_unsharded_grad(p)
                 grad = None  # ``rows`` alone refers to the gradients now; the reduce-scatter drops it
@@ -257,7 +260,9 @@ class ParamGroup:
                 pre, post = divide_factors(dtype, self.world_size, self.dp_size, settings.gradient_divide_factor)
                 accumulate_all = all_present or not self._reads_flags(group)
                 self.order_check.check(REDUCE_SCATTER, reduction.row_bytes, group)
-                reductions.append(PendingReduce(params, rows, group, pre, post, all_reduce, accumulate_all))
+                reductions.append(
+                    PendingReduce(params, rows, group, pre, post, all_reduce, accumulate_all, tuple(present))
+                )
         return reductions
 
     def reduce_plan(self) -> list[Reduction]:
@@ -304,7 +309,12 @@ class ParamGroup:
             with labelled("all_reduce", self):
                 self.order_check.check(ALL_REDUCE, reduced.numel() * reduced.element_size(), self.replicate_group)
                 all_reduce_sum(reduced, self.replicate_group, self.stats)
-        received = None if reduce.accumulate_all else reduced[-len(params) :].tolist()
+        if reduce.accumulate_all:
+            received = None
+        elif is_fake(reduced):  # a fake step (estimate) has no sums to read: every rank is taken to be this one
+            received = reduce.present
+        else:
+            received = reduced[-len(params) :].tolist()
         if self.settings.all_reduce_hook is not None:  # e.g. a user's all-reduce across replicas
             self.settings.all_reduce_hook(reduced[: -len(params)])
         if divide != 1:

@@ -66,6 +66,7 @@ class ShardedParam:
         self.shape = param.shape  # global shape
         self.dtype = param.dtype
         self.requires_grad = param.requires_grad
+        self.had_gradient: bool | None = None  # whether the last reduction had a gradient of it (explain reads it)
         self.mp_policy = mp_policy  # passed to the all-gather extension protocol's five-argument form
         # a codec from ``set_gather_codec`` (the quantize extra's wire format), sent through the same protocol
         self.wire = gather_codec_of(param)

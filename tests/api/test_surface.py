@@ -18,7 +18,7 @@ BEYOND_FSDP2 = {
     "init_sharded_parameters", "sync_module_states", "full_state_dict", "load_full_state_dict",
     "summon_full_params", "clip_grad_norm_", "save_checkpoint", "load_checkpoint", "checkpoint_exists",
     "CheckpointError", "Comm", "AllGather", "ReduceScatter", "explain", "Explanation", "collective_bytes",
-    "estimate", "Estimate", "ExecutionOrderError", "CollectiveError", "quantize_all_gather",
+    "estimate", "Estimate", "plan", "Plan", "BudgetError", "ExecutionOrderError", "CollectiveError", "quantize_all_gather",
     "load_pretrained", "save_pretrained", "PretrainedCheckpointError", "process_wide_effects",
     "FaultTolerance", "FaultToleranceError",
     # torch's FSDP2 raises a bare AssertionError for these; ours are classes of their own that are one too

@@ -35,6 +35,7 @@ EXTRAS_API = "extras_api.py"  # the one core module the extras may import beside
 NAMED_BY_STRING: dict[tuple[str, str], str] = {
     ("__init__.py", "fsdp_compose.extras.observe.explain"): "explain, Explanation, collective_bytes: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.observe.estimate"): "estimate, Estimate: lazy re-export",
+    ("__init__.py", "fsdp_compose.extras.plan.planner"): "plan, Plan, BudgetError: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.checkpoint"): "save_checkpoint, load_checkpoint, CheckpointError, ...: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.quantize"): "quantize_all_gather: lazy re-export",
     ("__init__.py", "fsdp_compose.extras.wrap"): "apply_fully_shard and its policies: lazy re-export",

@@ -53,6 +53,12 @@ _ENV_DROPPED = (
 )
 
 
+_LIKE = {
+    "nccl": "reduce-scatter inputs held until their wait",
+    "gloo": "gloo's copies of reduce-scatter inputs and all-gather staging buffers counted",
+}
+
+
 @dataclass
 class Estimate:
     """The result of ``estimate``: ``str()`` is the report, ``to_dict()`` the same as JSON-able data.
@@ -69,6 +75,9 @@ class Estimate:
     plan: str = ""  # explain(model, optimizer) after the warm-up step
     predicted_peak_bytes: int = 0  # explain's prediction (activations excluded)
     peak_without_activations: int = 0  # the step's largest sum of every category but activations
+    # like="gloo": the peak were each all-gather's transfer over as soon as issued (gloo's threads decide when
+    # it ends: a real step's peak lies between this and peak_bytes); like="nccl": peak_bytes
+    settled_peak_bytes: int = 0
     phase_without_activations: str = "-"
     like: str = "nccl"
     build_seconds: float = 0.0
@@ -87,14 +96,21 @@ class Estimate:
         traffic = [("collectives per step", "calls", "bytes")]
         traffic += [(kind, str(calls), fmt_bytes(nbytes)) for kind, (calls, nbytes) in self.collectives.items()]
         phases = ", ".join(f"{p} {fmt_bytes(b)}" for p, b in self.phase_peaks.items())
+        settled = []
+        if self.settled_peak_bytes != self.peak_bytes:
+            settled = [
+                "gloo's all-gather buffers are counted until each transfer's latest end; "
+                f"were transfers over at once, the peak would be {fmt_bytes(self.settled_peak_bytes)}"
+            ]
         return "\n".join(
             [
-                f"one training step on fake tensors, rank {self.rank} of {self.world_size}, like {self.like} "
-                f"(reduce-scatter inputs {'held until their wait' if self.like == 'nccl' else 'freed when issued'}); "
+                f"training steps on fake tensors (a first, then a steady one), rank {self.rank} of "
+                f"{self.world_size}, like {self.like} ({_LIKE[self.like]}); "
                 f"build {self.build_seconds:.1f} s, {self.step_seconds:.1f} s per fake step",
                 "",
                 _table(rows),
                 f"peak per phase: {phases}",
+                *settled,
                 f"without activations: {fmt_bytes(self.peak_without_activations)} at most "
                 f"(during {self.phase_without_activations}); explain() predicts {fmt_bytes(self.predicted_peak_bytes)}",
                 "",
@@ -136,17 +152,19 @@ def estimate(
     must not initialize a process group itself. ``build`` is passed by reference: a module-level
     function of an importable module (a function of the ``__main__`` script is sent by value with
     cloudpickle, which must then be installed). The model is then materialized on fake CPU
-    tensors (``to_empty``), ``warmup_steps`` steps run (the first records the order and creates
-    the optimizer state), and one more is measured: forward, backward, ``optimizer.step()``,
-    ``zero_grad()``.
+    tensors (``to_empty``), and ``warmup_steps`` steps (the first records the order and creates the
+    optimizer state) and one more run, each forward, backward, ``optimizer.step()``, ``zero_grad()``: the
+    peak is the highest of them, the rest of the report the last one's.
 
     Reported: the peak of live tensor storages and its split (sharded parameters, gradients,
     optimizer state, unsharded parameters, collective buffers, unsharded gradients, everything
     else: activations and temporaries), each phase's peak, collectives per step (calls and bytes
     as ``CommStats`` counts them), and ``explain``'s plan and predicted peak for the same model.
     ``like="nccl"`` keeps each reduce-scatter's input alive until its wait, as NCCL does;
-    ``"gloo"`` frees it when issued. Not modelled: allocator caching and fragmentation, CUDA
-    context and library workspaces. The subprocess is killed after ``timeout`` seconds.
+    ``"gloo"`` runs the runtime's gloo paths and counts gloo's own buffers (its copy of each reduce-scatter
+    input, an all-gather's staging buffer to its transfer's latest end; ``settled_peak_bytes`` leaves the
+    latter out). Not modelled: allocator caching and fragmentation, CUDA context and library workspaces.
+    The subprocess is killed after ``timeout`` seconds.
     """
     return estimate_many([(build, world_size, rank)], like=like, warmup_steps=warmup_steps, timeout=timeout)[0]
 
@@ -171,7 +189,7 @@ def estimate_many(
                 "world_size": world,
                 "rank": rank,
                 "warmup_steps": warmup_steps,
-                "hold_reduce_inputs": job_like == "nccl",
+                "like": job_like,
                 **_reference(build),
             }
             for (build, world, rank, *_), job_like in zip(jobs, likes)

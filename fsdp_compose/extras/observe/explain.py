@@ -70,6 +70,7 @@ class Totals:
     measured_peak_bytes: int | None = None  # measured with sample_batch (storages, this rank)
     optimizer_collectives: int = 0  # issued by optimizer.step() itself (whole-matrix owners), not in the above
     optimizer_collective_bytes: int = 0  # their inputs on this rank
+    in_flight_at_peak: dict[str, int] = field(default_factory=dict)  # category -> bytes in flight at the peak
 
 
 @dataclass
@@ -201,9 +202,13 @@ def explain(
             orders[r] = [s for s in recorded if s in names]
 
     sizes = {s: plan.sizes_of(g) for s, g in facts.items()}
-    held = first.backend != "gloo"
+    like = "gloo" if first.backend == "gloo" else "nccl"
+    gradients = {id(p.parameter): p.had_gradient for g in facts.values() for p in g.trainable}
+    gradients = {key: had for key, had in gradients.items() if had is not None}  # none before a first step
     schedules = memory.schedules_after_first_step(roots_of, orders, first.prefetch_limit)
-    result = memory.replay(calls, param_pos, sizes, names, roots, schedules, first.reduce_limit, facts, held)
+    result = memory.replay(
+        calls, param_pos, sizes, names, roots, schedules, first.reduce_limit, facts, like, gradients
+    )
     groups = []
     for s, g in facts.items():
         is_root = g.call[0] in roots
@@ -315,6 +320,7 @@ def _totals(model, facts: list[GroupFacts], groups, optimizer_bytes, source, res
         gradient_bytes=result.after_backward,
         predicted_peak_bytes=static + result.peak,
         step_bytes=static + result.after_backward,
+        in_flight_at_peak=result.at_peak,
     )
 
 

@@ -10,13 +10,16 @@ shapes, dtypes and storages but no data, so a 70B-parameter step costs only Pyth
 from __future__ import annotations
 
 import base64
+import gc
 import importlib
 import json
 import pickle
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -96,9 +99,22 @@ def _phase_of(timeline: CollectiveTimeline, event: int) -> str:
     return found
 
 
-def measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, hold_reduce_inputs: bool) -> dict:
-    """One step under a ``CollectiveTimeline``: the peak, its bytes by category, the traffic."""
-    timeline = CollectiveTimeline(hold_reduce_inputs, inherited=frozenset({UNSHARDED_GRADIENTS}))
+def measured_step(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn,
+    like: str | None,
+    earlier: dict | None = None,
+    timeline: CollectiveTimeline | None = None,
+) -> dict:
+    """One step under a ``CollectiveTimeline``: the peak, its bytes by category, the traffic.
+
+    Counted from the start: every tensor alive but ``earlier`` ones (weak references by ``id``, taken before
+    the job was built): the model's, the optimizer's, and what the runtime keeps between steps (padding rows,
+    has-gradient flags, slices kept after forward), found by the garbage collector. ``timeline``: a fresh one
+    to count with, for a caller that reads more of it afterwards (``plan``)."""
+    if timeline is None:
+        timeline = CollectiveTimeline(like, inherited=frozenset({UNSHARDED_GRADIENTS}))
     timeline.label(list(model.parameters()) + list(model.buffers()), PARAMETERS)
     timeline.label(_optimizer_tensors(optimizer), OPTIMIZER_STATE)
     handles = []
@@ -107,24 +123,107 @@ def measured_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn, h
             timeline.label([unsharded], UNSHARDED_PARAMETERS)
             if unsharded.requires_grad:  # a pre-hook: sees the gradient before the runtime reduces it
                 handles.append(unsharded.register_hook(lambda g: timeline.label([g], UNSHARDED_GRADIENTS)))
+    earlier = earlier or {}
+    timeline.track(t for key, t in _tensors_now().items() if key not in earlier or earlier[key]() is not t)
     before = traffic(model)
     try:
-        with timeline:
+        with timeline, _beyond_operators(timeline):
             _step(model, optimizer, loss_fn, timeline)
     finally:
         for h in handles:
             h.remove()
     after = traffic(model)
+    for _, group in groups_in(model):  # a first step makes them
+        timeline.label(unsharded_parameters(group), UNSHARDED_PARAMETERS, override=False)
     without, event = timeline.peak_without(UNLABELLED)
     return {
         "peak_without_activations": without,
         "phase_without_activations": _phase_of(timeline, event),
         "peak_bytes": timeline.peak,
+        "settled_peak_bytes": timeline.settled_peak,
         "peak_phase": _phase_of(timeline, timeline.peak_event),
         "at_peak": timeline.live_at(timeline.peak_event),
         "phase_peaks": {p: b for p, (b, _) in timeline.phase_peaks.items() if p != "-"},
         "collectives": {k: [after[k][0] - before[k][0], after[k][1] - before[k][1]] for k in after},
     }
+
+
+def _tensors_now() -> dict[int, torch.Tensor]:
+    """Every tensor object alive in this process, by ``id``."""
+    gc.collect()
+    return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+
+def _highest(steps: list[dict]) -> dict:
+    """The last step's figures, with the peak (its bytes, phase and composition) of the step that peaks highest."""
+    result = dict(steps[-1])
+    top = max(steps, key=lambda step: step["peak_bytes"])
+    result.update({key: top[key] for key in ("peak_bytes", "peak_phase", "at_peak")})
+    result["settled_peak_bytes"] = max(step["settled_peak_bytes"] for step in steps)
+    if top is not steps[-1]:
+        result["peak_phase"] = f"first step's {top['peak_phase']}"
+    result["phase_peaks"] = {
+        phase: max(step["phase_peaks"].get(phase, 0) for step in steps) for phase in steps[-1]["phase_peaks"]
+    }
+    return result
+
+
+# the process group's single-tensor collectives, as torch 2.13 and earlier versions name them
+_COLLECTIVE_METHODS = (
+    "all_gather_single",
+    "_allgather_base",
+    "reduce_scatter_single",
+    "_reduce_scatter_base",
+    "allreduce",  # the order check's handshakes
+)
+
+
+class _Waited:
+    """A collective's work that tells the timeline when it is waited on (the fake one is done at once)."""
+
+    __slots__ = ("work", "output", "group", "timeline")
+
+    def __init__(self, work, output: torch.Tensor, group: object, timeline: CollectiveTimeline) -> None:
+        self.work, self.output, self.group, self.timeline = work, output, group, timeline
+        timeline.issued(group, output)
+
+    def wait(self, timeout=None) -> bool:
+        done = self.work.wait() if timeout is None else self.work.wait(timeout)
+        self.timeline.waited(self.output, self.group)
+        return done
+
+
+@contextmanager
+def _beyond_operators(timeline: CollectiveTimeline):
+    """While it is entered, the process group's collectives return works whose ``wait`` reaches ``timeline``
+    (what a backend holds during a collective is let go at its wait, not at the output's next use), and the
+    CPU random state ``torch.get_rng_state()`` copies, which no operator makes, is counted."""
+    cls = dist.ProcessGroup
+    originals = {name: cls.__dict__[name] for name in _COLLECTIVE_METHODS if name in cls.__dict__}  # as stored
+
+    def wrap(original):
+        def issue(group, output, *args, **kwargs):
+            work = original.__get__(group)(output, *args, **kwargs)
+            return _Waited(work, output[0] if isinstance(output, (list, tuple)) else output, group, timeline)
+
+        return issue
+
+    for name, original in originals.items():
+        setattr(cls, name, wrap(original))
+    get_rng_state = torch.get_rng_state
+
+    def rng_state() -> torch.Tensor:  # made without an operator: activation checkpointing keeps one per call
+        state = get_rng_state()
+        timeline.track([state])
+        return state
+
+    torch.get_rng_state = rng_state
+    try:
+        yield
+    finally:
+        torch.get_rng_state = get_rng_state
+        for name, original in originals.items():
+            setattr(cls, name, original)
 
 
 def _fake_mode_of(model: nn.Module):
@@ -144,7 +243,11 @@ def run(spec: dict) -> dict:
     warnings.simplefilter("ignore")
     world, rank = spec["world_size"], spec["rank"]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    get_backend = dist.get_backend
+    if spec["like"] == "gloo":  # the runtime takes gloo's paths (reduce-scatters wait for the next handshake)
+        dist.get_backend = lambda group=None: "gloo" if get_backend(group) == "fake" else get_backend(group)
     try:
+        earlier = {key: weakref.ref(t) for key, t in _tensors_now().items()}  # earlier jobs' leftovers
         started = time.perf_counter()
         model, optimizer, loss_fn = unpack(load_build(spec)())
         built = time.perf_counter()
@@ -153,10 +256,11 @@ def run(spec: dict) -> dict:
             model.to_empty(device="cpu")  # meta or real parameters become fake ones; values do not matter
             if not isinstance(optimizer, torch.optim.Optimizer):
                 optimizer = optimizer(model.parameters())
-            for _ in range(spec["warmup_steps"]):  # the first records the order; optimizer state appears
-                _step(model, optimizer, loss_fn, None)
+            # the first step records the order and makes the optimizer state; it is measured too
+            like = spec["like"]
+            steps = [measured_step(model, optimizer, loss_fn, like, earlier) for _ in range(spec["warmup_steps"])]
             plan = explain(model, optimizer)
-            result = measured_step(model, optimizer, loss_fn, spec["hold_reduce_inputs"])
+            result = _highest([*steps, measured_step(model, optimizer, loss_fn, like, earlier)])
         result.update(
             world_size=world,
             rank=rank,
@@ -168,6 +272,7 @@ def run(spec: dict) -> dict:
         )
         return result
     finally:
+        dist.get_backend = get_backend
         dist.destroy_process_group()
 
 

@@ -1,28 +1,60 @@
 """Predict the per-rank peak of one training step by replaying the schedule on byte counts.
 
-The replay follows the runtime's rules (hooks/forward.py, hooks/backward.py, schedule.py):
-the all-gather input is this rank's row of the output (no separate send buffer); a group's
-all-gather output and its unsharded parameters coexist during copy-out, and its prefetch
-targets are issued only after that copy-out; prefetched gathers are in flight while a group
-computes; non-root groups free after forward (keeping a slice under
-``reshard_after_forward=<int>``); backward re-gathers in reverse post-forward order; a finished
-group (its trainable parameters' gradients and the outputs of the calls nested in its forward done)
-frees its unsharded parameters, then builds the reduce-scatter input (the unsharded gradients die
-once it is built), then allocates the output;
-at most ``reduce_limit`` reductions stay in flight (their inputs too, unless the backend copies
-them, as gloo does). Activations are not modelled.
-It describes a step after the first (the first records the order and prefetches no forward
-gathers) with gradients set to ``None`` before it (``optimizer.zero_grad()``).
+A function of the model's facts (``extras_api.group_facts``) and the backend, no tensor touched: what
+``explain`` reports, and what a planner can call for many configurations. It follows the runtime's rules
+(hooks/forward.py, hooks/backward.py, schedule.py) and counts what ``estimate``'s fake step counts
+(``timeline.py``), by the same categories:
+
+- forward: a group waits for its all-gather (issued earlier as a prefetch, or now), copies out (the
+  all-gather output and the unsharded parameters coexist), then issues its prefetch targets' all-gathers;
+  non-root groups free after forward (keeping a slice under ``reshard_after_forward=<int>``);
+- backward, in reverse module order: a call's pre-backward gathers again and prefetches; gradients appear
+  where their parameters are used; a group's post-backward (once every trainable parameter has a gradient
+  and the outputs of the calls nested in its forward got theirs, else at the end of backward) frees its
+  unsharded parameters and prepares its reductions (rows cast or padded are copies, the gradients die; rows
+  that are views keep them); issuing one builds the table (the rows die) and the output, and at most
+  ``reduce_limit`` reductions stay in flight;
+- the backend (``BACKEND_HOLDS``, as the fake step counts it): a reduce-scatter's input (gloo: its copy of
+  it) and an all-gather's input apart from its output are held until the collective is waited; gloo also
+  allocates an output-sized buffer while issuing an all-gather and stages its output in another until the
+  transfer is over, at its wait or at the wait of a later collective of the same process group; and on
+  gloo the runtime issues a reduce-scatter after the next all-gather's handshake (a synchronous all-reduce:
+  a wait) or at the end of backward.
+
+It describes a step after the first (the first records the order and prefetches no forward gathers) with
+gradients set to ``None`` before it (``optimizer.zero_grad()``). Activations are not modelled.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from ...extras_api import GroupFacts, GroupHandle, ScratchSchedule, reshards_after_forward
-from .plan import GroupSizes
+from .plan import GroupSizes, itemsize
+
+UNSHARDED_PARAMETERS = "unsharded parameters"
+COLLECTIVE_BUFFERS = "collective buffers"
+UNSHARDED_GRADIENTS = "unsharded gradients"
+GRADIENTS = "gradients"
+_CATEGORY = {"unsharded": UNSHARDED_PARAMETERS, "grad": UNSHARDED_GRADIENTS, "rows": UNSHARDED_GRADIENTS,
+             "sharded_grad": GRADIENTS}  # the rest are collective buffers
+
+
+@dataclass(frozen=True)
+class BackendHolds:
+    """What a backend keeps around a collective beyond the tensors the runtime passes it. Every backend keeps a
+    reduce-scatter's input, and an all-gather's that is not part of its output (a slice kept after forward),
+    until the collective is waited: NCCL's work stashes them (``TORCH_NCCL_AVOID_RECORD_STREAMS=1``) or the
+    caching allocator holds them until the transfer, which is over by then; gloo's work holds them."""
+
+    reduce_input_copy: bool  # gloo copies a reduce-scatter's input when issued (the input itself dies then)
+    gather_staging: bool  # gloo: an output-sized buffer while issuing, another while the transfer runs
+    reduce_after_handshake: bool  # the runtime's gloo path: a reduce-scatter waits for the next handshake
+
+
+BACKEND_HOLDS = {"nccl": BackendHolds(False, False, False), "gloo": BackendHolds(True, True, True)}
 
 
 @dataclass
@@ -39,6 +71,7 @@ class Replay:
     peak: int  # bytes above the sharded parameters and optimizer state
     where: str  # the moment of the peak
     after_backward: int  # sharded gradients left for the optimizer step
+    at_peak: dict[str, int] = field(default_factory=dict)  # category -> bytes at the peak
 
 
 def forward_calls(model: nn.Module, groups: list[GroupFacts]) -> tuple[list[Call], dict]:
@@ -88,6 +121,7 @@ class _Live:
         self.total = 0
         self.peak = 0
         self.where = "-"
+        self.at_peak: dict[str, int] = {}
 
     def add(self, key: tuple, n: int, where: str) -> None:
         if n <= 0:
@@ -96,9 +130,166 @@ class _Live:
         self.total += n
         if self.total > self.peak:
             self.peak, self.where = self.total, where
+            self.at_peak = {}
+            for k, v in self.bytes.items():
+                category = _CATEGORY.get(k[0], COLLECTIVE_BUFFERS)
+                self.at_peak[category] = self.at_peak.get(category, 0) + v
 
     def drop(self, key: tuple) -> None:
         self.total -= self.bytes.pop(key, 0)
+
+    def spike(self, key: tuple, n: int, where: str) -> None:
+        """A buffer alive only while an operator runs."""
+        self.add(key, n, where)
+        self.drop(key)
+
+
+@dataclass
+class _Collective:
+    """A collective in flight: what it keeps until its transfer is over, and until its work is waited."""
+
+    until_transfer: list[tuple] = field(default_factory=list)
+    until_wait: list[tuple] = field(default_factory=list)
+
+
+class _Step:
+    """One step's events on byte counts (see the module docstring)."""
+
+    def __init__(self, sizes, names, roots, schedules, reduce_limit, facts, holds: BackendHolds) -> None:
+        self.sizes, self.names, self.roots, self.schedules = sizes, names, roots, schedules
+        self.reduce_limit, self.facts, self.holds = reduce_limit, facts, holds
+        self.live = _Live()
+        self.unsharded: set[GroupHandle] = set()
+        self.pending: set[GroupHandle] = set()
+        self.kept: set[GroupHandle] = set()
+        self.in_flight: list[tuple[tuple, _Collective]] = []  # issue order (one process group is assumed)
+        self.reducing: list[GroupHandle] = []
+        self.queued: list[GroupHandle] = []  # prepared reductions waiting for a handshake (gloo)
+
+    # ----- collectives in flight ----------------------------------------------------------
+    def issued(self, key: tuple, collective: _Collective) -> None:
+        self.in_flight.append((key, collective))
+
+    def waited(self, key: tuple | None) -> None:
+        """``key``'s collective is done (``None``: a handshake's all-reduce, issued after every one in flight),
+        and so is the transfer of every one issued before it."""
+        keys = [each for each, _ in self.in_flight]
+        upto = keys.index(key) + 1 if key in keys else (len(keys) if key is None else 0)
+        keep = []
+        for at, (each, collective) in enumerate(self.in_flight):
+            if at < upto:
+                for held in collective.until_transfer:
+                    self.live.drop(held)
+                collective.until_transfer = []
+            if each == key:
+                for held in collective.until_wait:
+                    self.live.drop(held)
+                collective.until_wait = []
+            if collective.until_transfer or collective.until_wait:
+                keep.append((each, collective))
+        self.in_flight = keep
+
+    # ----- unshard / reshard --------------------------------------------------------------
+    def start(self, s: GroupHandle) -> None:
+        if s in self.unsharded or s in self.pending or not self.facts[s].params:
+            return
+        size, name = self.sizes[s], self.names[s]
+        if self.holds.reduce_after_handshake:  # gloo's order check: a synchronous all-reduce first
+            self.waited(None)
+        # re-gathered from the slice kept after forward (held until the wait), or from the shards (the input
+        # is the output's own row)
+        collective = _Collective()
+        gathered = size.kept_gathered if s in self.kept else size.gathered
+        if s in self.kept:
+            self.kept.discard(s)
+            collective.until_wait.append(("kept", s))
+        self.live.add(("gathered", s), gathered, f"all-gather {name}")
+        if self.holds.gather_staging:
+            self.live.spike(("issuing", s), gathered, f"all-gather {name}")
+            self.live.add(("staging", s), gathered, f"all-gather {name}")
+            collective.until_transfer.append(("staging", s))
+        self.issued(("gather", s), collective)
+        self.pending.add(s)
+
+    def wait(self, s: GroupHandle, where: str) -> None:
+        if s not in self.pending:
+            return
+        self.pending.discard(s)
+        self.waited(("gather", s))
+        self.live.add(("unsharded", s), self.sizes[s].unsharded, where)  # copy-out: buffer and target coexist
+        self.live.drop(("gathered", s))
+        self.unsharded.add(s)
+
+    def reshard(self, s: GroupHandle, after_forward: bool) -> None:
+        if s not in self.unsharded:
+            return
+        if after_forward and self.sizes[s].kept:
+            self.kept.add(s)
+            self.live.add(("kept", s), self.sizes[s].kept, "")
+        self.live.drop(("unsharded", s))
+        self.unsharded.discard(s)
+
+    def unshard_with_prefetch(self, s: GroupHandle, targets: list[GroupHandle], where: str) -> None:
+        self.start(s)
+        self.wait(s, where)
+        for t in targets:
+            self.start(t)
+
+    # ----- gradients ----------------------------------------------------------------------
+    def prepare_reduce(self, s: GroupHandle, gradients: dict[int, bool]) -> None:
+        """``start_reduce``: each parameter's rows; a copy (cast, padded, or zeros for no gradient) lets its
+        gradient die now, a view keeps it until the table is built."""
+        g, where = self.facts[s], f"reduce-scatter {self.names[s]}"
+        for i, reduction in enumerate(g.reductions if g.requires_gradient_sync else ()):
+            for p in reduction.params:
+                got = gradients.get(id(p.parameter), True)
+                padded = p.unsharded_shape.numel() != g.world * p.padded_numel
+                if not got or p.gather_dtype != reduction.dtype or padded:
+                    self.live.add(("rows", s, i), g.world * p.padded_numel * itemsize(reduction.dtype), where)
+                    self.live.drop(("grad", id(p.parameter)))
+
+    def issue_reduce(self, s: GroupHandle) -> None:
+        size, where = self.sizes[s], f"reduce-scatter {self.names[s]}"
+        for i, (table, output) in enumerate(zip(size.reduce_tables, size.reduce_outputs)):
+            self.live.add(("table", s, i), table, where)  # the rows copied in, then dropped
+            self.live.drop(("rows", s, i))
+            for p in self.facts[s].reductions[i].params:
+                self.live.drop(("grad", id(p.parameter)))
+            self.live.add(("output", s, i), output, where)
+            collective = _Collective()
+            if self.holds.reduce_input_copy:  # gloo's copy is held; the table dies when issued
+                self.live.add(("copy", s, i), table, where)
+                collective.until_wait.append(("copy", s, i))
+                self.live.drop(("table", s, i))
+            else:
+                collective.until_wait.append(("table", s, i))
+            self.issued(("reduce", s, i), collective)
+        self.reducing.append(s)
+        while len(self.reducing) > self.reduce_limit:
+            self.finish_reduce(self.reducing.pop(0))
+
+    def finish_reduce(self, s: GroupHandle) -> None:
+        for i, copy in enumerate(self.sizes[s].sharded_grad_copies):
+            self.waited(("reduce", s, i))
+            output = self.live.bytes.get(("output", s, i), 0)
+            self.live.drop(("output", s, i))
+            # the sharded gradient: a view of the output, or a copy of it
+            self.live.add(("sharded_grad", s, i), copy or output, "")
+
+    def issue_queued(self) -> None:
+        queued, self.queued = self.queued, []
+        for s in queued:
+            self.issue_reduce(s)
+
+    def post_backward(self, s: GroupHandle, gradients: dict[int, bool]) -> None:
+        if self.facts[s].reshard_after_backward:
+            self.reshard(s, after_forward=False)
+        if not self.sizes[s].reduce_tables:
+            return
+        self.prepare_reduce(s, gradients)
+        self.queued.append(s)
+        if not self.holds.reduce_after_handshake:
+            self.issue_queued()
 
 
 def replay(
@@ -110,51 +301,15 @@ def replay(
     schedules: dict[GroupHandle, ScratchSchedule],
     reduce_limit: int,
     facts: dict[GroupHandle, GroupFacts],
-    reduce_input_held: bool = True,
+    like: str = "nccl",
+    gradients: dict[int, bool] | None = None,
 ) -> Replay:
-    """Replay a step on byte counts; ``schedules`` (``schedules_after_first_step``) records it.
-
-    ``reduce_input_held``: the backend keeps the reduce-scatter input until the wait (NCCL);
-    gloo copies it when the collective is issued, so the input dies at once."""
-    live = _Live()
-    unsharded: set[GroupHandle] = set()
-    pending: set[GroupHandle] = set()
-    kept: set[GroupHandle] = set()
-
-    def start(s: GroupHandle) -> None:
-        if s in unsharded or s in pending or not facts[s].params:
-            return
-        size = sizes[s]
-        if s in kept:  # re-gather from the slice kept after forward
-            kept.discard(s)
-            live.add(("gathered", s), size.kept_gathered, "")
-        else:  # the send buffer is the output's own row
-            live.add(("gathered", s), size.gathered, "")
-        pending.add(s)
-
-    def wait(s: GroupHandle, where: str) -> None:
-        if s not in pending:
-            return
-        pending.discard(s)
-        live.add(("unsharded", s), sizes[s].unsharded, where)  # copy-out: buffer and target coexist
-        for kind in ("gathered", "kept"):
-            live.drop((kind, s))
-        unsharded.add(s)
-
-    def reshard(s: GroupHandle, after_forward: bool) -> None:
-        if s not in unsharded:
-            return
-        if after_forward and sizes[s].kept:
-            kept.add(s)
-            live.add(("kept", s), sizes[s].kept, "")
-        live.drop(("unsharded", s))
-        unsharded.discard(s)
-
-    def unshard_with_prefetch(s: GroupHandle, targets: list[GroupHandle], where: str) -> None:
-        start(s)
-        wait(s, where)
-        for t in targets:
-            start(t)
+    """Replay a step on byte counts; ``schedules`` (``schedules_after_first_step``) records it. ``like``: the
+    backend (``BACKEND_HOLDS``); ``gradients``: whether each trainable parameter (by ``id``) gets a gradient
+    (all do when not known)."""
+    gradients = gradients or {}
+    step = _Step(sizes, names, roots, schedules, reduce_limit, facts, BACKEND_HOLDS[like])
+    live = step.live
 
     # ----- forward ------------------------------------------------------------------------
     open_calls: list[Call] = []
@@ -164,7 +319,7 @@ def replay(
         s = call.state
         schedules[s].after_forward(s)
         if reshards_after_forward(s, facts[s].call[0] in roots):
-            reshard(s, after_forward=True)
+            step.reshard(s, after_forward=True)
 
     for call in calls:
         while open_calls and open_calls[-1].end < call.start:
@@ -172,18 +327,20 @@ def replay(
         s = call.state
         if open_calls and open_calls[-1].state is not s:
             nested_ends.setdefault(open_calls[-1].state, []).append(call.end)
-        unshard_with_prefetch(s, schedules[s].before_forward(s), f"forward {names[s]}")
+        step.unshard_with_prefetch(s, schedules[s].before_forward(s), f"forward {names[s]}")
         open_calls.append(call)
     while open_calls:
         post_forward(open_calls.pop())
 
     # ----- backward -----------------------------------------------------------------------
-    reducing: list[GroupHandle] = []
     pre_done: set[GroupHandle] = set()
     post_done: set[GroupHandle] = set()
     done_at: dict[GroupHandle, int] = {}
     for s in sizes:
-        positions = [param_pos[id(p.parameter)] for p in facts[s].trainable]
+        trainable = [p for p in facts[s].trainable if gradients.get(id(p.parameter), True)]
+        if len(trainable) < len(facts[s].trainable):  # a parameter without a gradient: at the end of backward
+            continue
+        positions = [param_pos[id(p.parameter)] for p in trainable]
         starts = [c.start for c in calls if c.state is s]
         # a group with trainable parameters also waits for the outputs of the calls nested in its forward
         done_at[s] = min(positions + nested_ends.get(s, [])) if positions else min(starts, default=0)
@@ -192,68 +349,39 @@ def replay(
         if s in pre_done:
             return
         pre_done.add(s)
-        unshard_with_prefetch(s, schedules[s].backward_targets(s), f"backward {names[s]}")
-
-    def finish_reduce(s: GroupHandle, i: int) -> None:
-        live.drop(("table", s, i))
-        copy = sizes[s].sharded_grad_copies[i]
-        if copy:
-            live.add(("sharded_grad", s, i), copy, "")
-            live.drop(("output", s, i))
+        step.unshard_with_prefetch(s, schedules[s].backward_targets(s), f"backward {names[s]}")
+        step.issue_queued()  # after the handshake of the all-gathers above (gloo)
 
     def post_backward(s: GroupHandle) -> None:
-        if s in post_done:
-            return
-        post_done.add(s)
-        size = sizes[s]
-        if facts[s].reshard_after_backward:
-            reshard(s, after_forward=False)
-        if size.reduce_tables:
-            where = f"reduce-scatter {names[s]}"
-            for i, (table, output) in enumerate(zip(size.reduce_tables, size.reduce_outputs)):
-                live.add(("rows", s, i), size.row_copies[i], where)
-                live.add(("table", s, i), table, where)
-                live.drop(("rows", s, i))
-                if i == len(size.reduce_tables) - 1:
-                    live.drop(("grads", s))
-                live.add(("output", s, i), output, where)
-                if not reduce_input_held:
-                    live.drop(("table", s, i))
-            reducing.append(s)
-            while len(reducing) > reduce_limit:
-                oldest = reducing.pop(0)
-                for i in range(len(sizes[oldest].reduce_tables)):
-                    finish_reduce(oldest, i)
-        else:
-            live.drop(("grads", s))
+        if s not in post_done:
+            post_done.add(s)
+            step.post_backward(s, gradients)
 
     last = max((c.end for c in calls), default=-1)
     by_end: dict[int, list[Call]] = {}
     for c in calls:
         by_end.setdefault(c.end, []).append(c)
-    grads_at: dict[int, list[GroupHandle]] = {}
+    grads_at: dict[int, list] = {}
     for s in sizes:
         for p in facts[s].trainable:
-            at = grads_at.setdefault(param_pos[id(p.parameter)], [])
-            if s not in at:
-                at.append(s)
+            if gradients.get(id(p.parameter), True):
+                grads_at.setdefault(param_pos[id(p.parameter)], []).append((s, p))
     for k in range(last, -1, -1):
         for c in sorted(by_end.get(k, []), key=lambda c: c.start):
             pre_backward(c.state)
-        for s in grads_at.get(k, []):
-            grad_bytes = sum(
-                p.unsharded_shape.numel() * p.gather_dtype.itemsize
-                for p in facts[s].trainable
-                if param_pos[id(p.parameter)] == k
-            )
-            live.add(("grads", s), grad_bytes, f"backward {names[s]}")
-        for s in [s for s in sizes if done_at[s] == k]:
+        for s, p in grads_at.get(k, []):
+            grad_bytes = p.unsharded_shape.numel() * p.gather_dtype.itemsize
+            live.add(("grad", id(p.parameter)), grad_bytes, f"backward {names[s]}")
+        for s in [s for s in sizes if done_at.get(s) == k]:
             if s in pre_done:
                 post_backward(s)
-    for s in sizes:
+    for s in sizes:  # the end of backward: the groups left, then every reduction
         if s in pre_done:
             post_backward(s)
-    for s in reducing:
-        for i in range(len(sizes[s].reduce_tables)):
-            finish_reduce(s, i)
-    return Replay(live.peak, live.where, live.total)
+    if step.holds.reduce_after_handshake and step.queued:
+        step.waited(None)  # the handshake that lets them go
+    step.issue_queued()
+    for s in step.reducing:
+        step.finish_reduce(s)
+    step.reducing.clear()
+    return Replay(live.peak, live.where, live.total, live.at_peak)

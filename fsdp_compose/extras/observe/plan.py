@@ -47,7 +47,6 @@ class GroupSizes:
     unsharded: int
     kept: int  # reshard_after_forward=<int>: slice kept after forward (0 without)
     kept_gathered: int  # all-gather output when re-gathering from the slice
-    row_copies: list[int]  # per reduce dtype: gradients copied to be cast or padded before the table
     reduce_tables: list[int]  # one reduce-scatter input per reduce dtype
     reduce_outputs: list[int]
     sharded_grad_copies: list[int]  # per reduce dtype: bytes of the sharded grad if copied, 0 if a view
@@ -82,17 +81,10 @@ def sizes_of(g: GroupFacts) -> GroupSizes:
         ranks = g.post_forward_ranks
         kept = sum(size * world // ranks for size in g.gather_widths)
         kept_gathered = ranks * kept
-    tables, outputs, copies, row_copies = [], [], [], []
+    tables, outputs, copies = [], [], []
     for reduction in g.reductions if g.requires_gradient_sync else ():  # the runtime's own plan
         dtype, params, row = reduction.dtype, reduction.params, reduction.row_bytes
         tables.append(world * row)
-        row_copies.append(
-            sum(
-                world * p.padded_numel * itemsize(dtype)
-                for p in params
-                if p.gather_dtype != dtype or p.unsharded_shape.numel() != world * p.padded_numel
-            )
-        )
         outputs.append(row)
         view = all(p.dtype == dtype and not p.offloaded for p in params)
         copies.append(0 if view else sum(p.local_numel * itemsize(p.dtype) for p in params))
@@ -102,7 +94,6 @@ def sizes_of(g: GroupFacts) -> GroupSizes:
         unsharded=sum(world * _unsharded_row_bytes(p) for p in g.params),
         kept=kept,
         kept_gathered=kept_gathered,
-        row_copies=row_copies,
         reduce_tables=tables,
         reduce_outputs=outputs,
         sharded_grad_copies=copies,

@@ -1,13 +1,14 @@
 """estimate(): the fake step's per-rank peak and traffic, checked against real gloo runs of the same step.
 
-The same build functions (tests/extras/observe/estimate_jobs.py) run on real gloo ranks, where a
-``StorageTracker`` measures one step after a warm-up step (the measurement explain's prediction is
-checked against), and in estimate's fake subprocess, once per rank (``like="gloo"``: gloo frees a
-reduce-scatter's input when it is issued). All estimates share one subprocess to save start-ups.
+The same build functions (tests/extras/observe/estimate_jobs.py) run on real gloo ranks, where c10's CPU
+allocator's own reports (``live_storage.py``) measure a warm-up step and a steady one, and in estimate's
+fake subprocess, once per rank (``like="gloo"``: gloo's own copies and staging buffers counted). All estimates
+share one subprocess to save start-ups. ``test_never_low.py`` checks every configuration issue 58 names.
 """
 
 from __future__ import annotations
 
+import gc
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,7 +16,7 @@ import pytest
 from fsdp_compose import estimate
 from fsdp_compose.extras.observe.estimate import CATEGORIES, estimate_many
 from fsdp_compose.extras.observe.fake_step import traffic
-from fsdp_compose.extras.observe.storage import StorageTracker
+from tests.extras.observe.live_storage import LiveStorage
 from tests.harness import hang_timeout, run_on_ranks
 from tests.extras.observe.estimate_jobs import JOBS, LM, fake_built, fp32
 
@@ -23,20 +24,19 @@ CASES = [(name, world) for name in JOBS for world in (2, 3)]
 
 
 def _real_step(name: str) -> dict:
-    model, optimizer, loss_fn = JOBS[name]()
-    loss_fn().backward()  # warm-up: records the order, creates the optimizer state
-    optimizer.step()
-    optimizer.zero_grad()
-    tracker = StorageTracker()
-    tracker.track_training_state(model, optimizer)
-    before = traffic(model)
-    with tracker:
-        tracker.reset_peak()
+    gc.collect()
+    with LiveStorage() as live:  # entered before the job is built, so that every free of its storages counts
+        model, optimizer, loss_fn = JOBS[name]()
+        live.reset_peak()
+        loss_fn().backward()  # warm-up: records the order, creates the optimizer state
+        optimizer.step()
+        optimizer.zero_grad()
+        before = traffic(model)
         loss_fn().backward()
         optimizer.step()
         optimizer.zero_grad()
-    after = traffic(model)
-    return {"peak": tracker.peak, "traffic": {k: [a - b for a, b in zip(after[k], before[k])] for k in after}}
+        after = traffic(model)
+    return {"peak": live.peak_bytes, "traffic": {k: [a - b for a, b in zip(after[k], before[k])] for k in after}}
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +60,9 @@ def test_estimated_peak_and_traffic_match_a_real_run(estimates, name, world):
     for rank in (0, world - 1):  # every rank but the last holds the same shards as rank 0
         real, e = reals[rank], estimates()[(world, rank, name, "gloo")]
         assert e.collectives == real["traffic"], (rank, e.collectives, real["traffic"])
-        error = e.peak_bytes / real["peak"] - 1
-        assert abs(error) <= 0.05, (name, world, rank, f"{error:+.2%}", e.peak_bytes, real["peak"])
+        # never low; within 5% but for gloo's all-gather buffers, whose life its threads decide (test_never_low)
+        where = (name, world, rank, e.peak_bytes, e.settled_peak_bytes, real["peak"])
+        assert e.settled_peak_bytes <= 1.05 * real["peak"] <= 1.05 * e.peak_bytes, where
         assert sum(e.at_peak.values()) == e.peak_bytes
         assert set(e.at_peak) <= {key for key, _ in CATEGORIES}
 
@@ -84,15 +85,18 @@ def test_categories_are_the_tensors_they_name(estimates):
     assert e.phase_peaks["backward"] == e.peak_bytes and e.peak_phase == "backward"
 
 
-def test_like_nccl_holds_reduce_inputs_and_agrees_with_explain(estimates):
-    """``like="nccl"`` (the default) keeps reduce-scatter inputs until the wait, as explain's replay
-    assumes on such backends: the step's largest non-activation memory then matches explain's prediction."""
+def test_like_either_backend_agrees_with_explain(estimates):
+    """``explain``'s replay counts what the fake step counts, like NCCL (``like="nccl"``, the default: each
+    reduce-scatter's input held until its wait) and like gloo (its copies and staging buffers):
+    the step's largest non-activation memory is explain's prediction."""
     e, gloo = estimates()[(2, 0, "fp32", "nccl")], estimates()[(2, 0, "fp32", "gloo")]
-    assert e.peak_without_activations > gloo.peak_without_activations
-    assert abs(e.peak_without_activations / e.predicted_peak_bytes - 1) <= 0.02, (
-        e.peak_without_activations,
-        e.predicted_peak_bytes,
-    )
+    for each in (e, gloo):
+        assert 1.0 <= each.predicted_peak_bytes / each.peak_without_activations <= 1.05, (
+            each.like,
+            each.predicted_peak_bytes,
+            each.peak_without_activations,
+        )
+    assert gloo.peak_without_activations > e.peak_without_activations  # gloo's copies
     text = str(e)
     for line in (
         "like nccl (reduce-scatter inputs held until their wait)",

@@ -40,7 +40,7 @@ blocks.2       822     float32  1.7 KiB  3.4 KiB    2 x 6.8 KiB      1 x RS 3.4 
 
 4 groups, 3,491 parameters (13.6 KiB gathered), shard group 2
 per step: 7 all-gathers, 4 reduce-scatters, 0 all-reduces, 38.9 KiB counted; each rank sends 19.5 KiB (3(N-1)/N*P = 20.5 KiB: every parameter gathered twice, reduced once)
-predicted peak per rank 42.9 KiB: parameters 7.1 KiB + optimizer state 14.4 KiB (AdamW assumed) + in flight 21.4 KiB (gathered groups, buffers, gradients) at reduce-scatter blocks.1; activations not included
+predicted peak per rank 46.5 KiB: parameters 7.1 KiB + optimizer state 14.4 KiB (AdamW assumed) + in flight 25.0 KiB (gathered groups, buffers, gradients) at reduce-scatter blocks.2; activations not included
 (before the first step: order and prefetch follow module definition order; the first step records the real order)""",
     )
     assert after.startswith(table) and "before the first step" not in after

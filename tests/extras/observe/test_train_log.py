@@ -32,7 +32,7 @@ def test_training_log_and_profile(tmp_path):
     lines = out.splitlines()
     assert lines[0].startswith("2 ranks train a GPT of 867,072 parameters (3.3 MiB), sharded in 5 groups"), out
     assert lines[1].startswith("each step, each rank sends 4.8 MiB to the others"), out
-    assert lines[2].startswith("predicted memory per rank: 8.4 MiB") and '"peak RSS" below' in lines[2], out
+    assert lines[2].startswith("predicted memory per rank: 10.7 MiB") and '"peak RSS" below' in lines[2], out
     steps = [line for line in lines if line.startswith("step ")]
     assert len(steps) == 2 and all(w in steps[0] for w in ("loss", "ms", "tok/s", "peak RSS")), out
     assert all(line.endswith("sent 4.8 MiB") and line.count("MiB") == 2 for line in steps), out  # measured = predicted
