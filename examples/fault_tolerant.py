@@ -194,7 +194,7 @@ def start_lighthouse(out: Path, heartbeat_ms: int) -> tuple[subprocess.Popen, st
     cmd += ["--heartbeat_timeout_ms", str(heartbeat_ms)]
     log = open(out / "lighthouse.log", "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # in our process group: killed with it
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 300  # a hang detector: on a loaded machine its start (importing torch) took over 30 s
     while time.monotonic() < deadline and proc.poll() is None:
         found = re.search(r"listening on: http://[^:\s]+:(\d+)", (out / "lighthouse.log").read_text())
         if found:

@@ -281,7 +281,7 @@ def test_a_block_that_warns_fails_its_page(tmp_path: Path) -> None:
     """A warning in a doc example is an error in its ranks, so the page fails and names the warning."""
     page = tmp_path / "page.md"
     page.write_text("```python\nimport warnings\n\nwarnings.warn('x is deprecated', FutureWarning)\n```\n")
-    run = PageRun(page, tmp_path, timeout=30)
+    run = PageRun(page, tmp_path, timeout=hang_timeout())
     run.start()
     codes, timed_out = run.wait()
     assert not timed_out and codes == [1, 1], codes

@@ -26,7 +26,7 @@ from torch import nn
 from fsdp_compose import PretrainedCheckpointError, load_pretrained, save_pretrained
 from fsdp_compose.extras.pretrained import save as save_module
 from fsdp_compose.extras.pretrained import save_dir
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
 
 SHARDED = 100  # bytes a file: the model below in 3 files
 
@@ -120,7 +120,7 @@ def _killed_save(target: str, new: nn.Module, point: str) -> int:
                 save_pretrained(new, target, max_shard_size=SHARDED)
         finally:
             os._exit(3)  # reached only if the save did not die where it should
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + hang_timeout()
     while time.monotonic() < deadline:
         done, status = os.waitpid(pid, os.WNOHANG)
         if done:
