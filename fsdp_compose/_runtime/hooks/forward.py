@@ -179,13 +179,17 @@ def pre_forward(state: GroupState, module: nn.Module, args: tuple, kwargs: dict)
 
 def leave_forward(root: RootState, state: GroupState) -> GroupState | None:
     """Close ``state``'s call; the call whose forward encloses it, whose nodes consume its outputs (None
-    at the outermost call, and for a companion state: its first state counts the outputs once)."""
+    at the outermost call, for a companion state: its first state counts the outputs once, and for an
+    enclosing call with no parameters: no weights of its own to keep)."""
     if state.primary is not None:
         return None
     calls = root.open_calls
     if calls and calls[-1] is state:
         calls.pop()
-    return calls[-1] if calls else None
+    if not calls:
+        return None
+    enclosing = calls[-1]
+    return enclosing if enclosing.group.params or enclosing.companions else None
 
 
 def post_forward(state: GroupState, module: nn.Module, args: tuple, output: Any) -> Any:
