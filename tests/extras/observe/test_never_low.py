@@ -14,7 +14,8 @@ Known gaps (the full matrix, ``-m slow``): under heavy CPU load a gloo thread ca
 reduce-scatter's work, and gloo's copy of its input, after the caller has gone on, where the estimate frees
 it at the wait (seen once: one huge group among tiny ones at 3 ranks, +0.9%, a tiny group's table, with a
 load of 30 on 2 cores); and frozen and unused parameters at 8 ranks measured 7% above the estimate on 2 of
-the 8 ranks, not yet explained.
+the 8 ranks: a rare step on any rank (1 of 80 in a step-by-step probe) peaks about 115 KB above the others,
+not yet explained.
 """
 
 from __future__ import annotations
