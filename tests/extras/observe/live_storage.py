@@ -68,7 +68,9 @@ def _count_every_thread() -> None:
     The profiler's events carry the allocator's total, but the allocator updates it only on a thread that has
     the profiler's state, or everywhere with ``FLAGS_caffe2_report_cpu_memory_usage``: without the flag, a free
     on one of gloo's threads outside a collective (a finished work's buffers) would never leave the total.
-    The flag also has the allocator log each allocation at INFO level, below c10's default threshold."""
+    The flag also has the allocator log each allocation at INFO level, below c10's default threshold. It stays
+    set for the rest of the process: cleared, the allocator would keep stale entries for the storages freed
+    meanwhile and later count a reused address's free against them."""
     flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(_LIBC10)), "FLAGS_caffe2_report_cpu_memory_usage")
     flag.value = True
 

@@ -5,6 +5,7 @@ allocates inside a collective, on its own threads too, which the library's ``Sto
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,6 +54,7 @@ def _reduce_scatter() -> tuple[int, int, int]:
         work.wait()
         del work
         kept = out
+        time.sleep(0.5)  # gloo's thread lets go of the finished work (and the copy) just after the wait
     return live.peak_bytes, live.current_bytes, tracker.peak
 
 
@@ -62,6 +64,7 @@ def _all_gather() -> tuple[int, int]:
         rows = torch.ones(1000)  # 4000
         dist.all_gather_into_tensor(out, rows, async_op=True).wait()
         del out, rows
+        time.sleep(0.5)  # gloo's thread lets go of the finished work (its staging, out and rows) just after
     return live.peak_bytes, live.current_bytes
 
 
