@@ -4,7 +4,8 @@ Same dtype: the bytes go straight into the shard. Another dtype (bf16 files, fp3
 scratch buffer of at most ``CHUNK`` bytes, reused for every tensor of the load, each chunk converted into its
 place in the shard while it is still in the cache. A scratch buffer per tensor (the earlier way) is fresh
 memory each time: the kernel zero-fills every page of it before the read overwrites them, half again the
-page faults the shards' own first touch costs (bf16 into fp32), and as much RSS as the largest tensor.
+page faults the shards' own first touch costs (bf16 into fp32). The reused one adds at most ``CHUNK`` to a
+load's peak RSS.
 """
 
 from __future__ import annotations
