@@ -58,7 +58,7 @@ def main(argv: list[str]) -> None:
     name, world, budget = (argv + ["8b", "64", "16GiB"][len(argv):])[:3]
     build = {"8b": llama3_8b, "70b": llama3_70b}[name]
     began, cpu = time.perf_counter(), _children_cpu()
-    chosen = plan(build, world_size=int(world), budget=budget, mp_policy=MP, device="cuda")
+    chosen = plan(build, world_size=int(world), budget=budget, mp_policy=MP, device="cuda", timeout=3600)
     print(
         f"=== Llama 3 {name.upper()} at world size {world}, budget {budget}: planned in "
         f"{time.perf_counter() - began:.1f} s ({_children_cpu() - cpu:.1f} s of CPU in the subprocess; "

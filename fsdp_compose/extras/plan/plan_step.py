@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ... import FSDPModule, MixedPrecisionPolicy
 from ...extras_api import group_facts, group_of, groups_in
-from ..observe.fake_step import _fake_mode_of, _tensors_now, load_build
+from ..observe.fake_step import _fake_mode_of, _step, _tensors_now, load_build
 from .config import UNITS, Config, apply_config
 from .measure import Measured, highest, measure
 from .search import CHOSEN, COSTLIER, FITS, Calibration, Rates, configurations, groupings, price, rank
@@ -78,9 +78,10 @@ def _unsharded_bytes(module: nn.Module, mp_policy: MixedPrecisionPolicy) -> int:
 
 
 def fake_steps(build, units: Units, config: Config, mp_policy, like: str, checkpoint_all: bool = False):
-    """Build, shard as ``config`` says, materialize on fake tensors and measure two steps, as ``estimate``
-    does (its figure: the higher). With ``checkpoint_all`` every unit is checkpointed in those two, and a
-    third step is measured with none.
+    """Build, shard as ``config`` says, materialize on fake tensors and run two steps. Without
+    ``checkpoint_all`` both are measured, as ``estimate`` measures (its figure: the higher); with it (the
+    calibration) every unit is checkpointed in those two, only the second measured, and a third step is
+    measured with none.
 
     Returns the measurements (checkpointed, then plain), the model's group count, each unit's all-gather
     bytes per call and this rank's shard bytes."""
@@ -90,8 +91,12 @@ def fake_steps(build, units: Units, config: Config, mp_policy, like: str, checkp
     with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
         optimizer = make_optimizer(model.parameters())
-        first = measure(model, optimizer, loss_fn, like, earlier)  # records the order; the optimizer state appears
-        measured = [highest(first, measure(model, optimizer, loss_fn, like, earlier))]
+        if checkpoint_all:  # the first step records the order and makes the optimizer state
+            _step(model, optimizer, loss_fn, None)
+            measured = [measure(model, optimizer, loss_fn, like, earlier)]
+        else:
+            first = measure(model, optimizer, loss_fn, like, earlier)
+            measured = [highest(first, measure(model, optimizer, loss_fn, like, earlier))]
         if checkpoint_all:
             for switch in switches:
                 switch.enabled = False
@@ -125,7 +130,7 @@ def search(spec: dict) -> dict:
         measured, groups[grouping], unit_gather, sharded = fake_steps(
             build, units, Config(grouping, checkpointed=n), mp_policy, like, checkpoint_all=n > 0
         )
-        steps += len(measured) + 1  # the first two measured as one
+        steps += 3 if n else 2
         if grouping == UNITS:
             gather = unit_gather
         checkpointed[grouping], plain[grouping] = measured[0], measured[-1]

@@ -99,6 +99,7 @@ def test_a_model_without_repeated_blocks():
     assert chosen.config.grouping == "root"  # fewest groups at the same cost
 
 
+@pytest.mark.slow  # a subprocess more; the default run keeps one plan, checked on real ranks
 def test_nothing_fits():
     with pytest.raises(BudgetError) as caught:
         plan(plan_jobs.flat, 2, "1KiB")
