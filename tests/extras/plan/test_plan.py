@@ -13,7 +13,8 @@ import re
 import pytest
 from expecttest import assert_expected_inline
 
-from fsdp_compose import BudgetError, Plan, plan
+from fsdp_compose import BudgetError, Plan
+from fsdp_compose import plan as _plan
 from fsdp_compose.extras.plan.config import CHILDREN, UNITS, Config
 from fsdp_compose.extras.plan.planner import parse_budget
 from fsdp_compose.extras.plan.plan_step import _BadBuild, call_build
@@ -22,7 +23,14 @@ from fsdp_compose.extras.plan.structure import Units, find_units
 from tests.extras.observe.estimate_jobs import LM
 from tests.extras.observe.live_storage import LiveStorage
 from tests.extras.plan import plan_jobs
-from tests.harness import run_on_ranks
+from tests.harness import hang_timeout, run_on_ranks
+
+
+def plan(*args, **kwargs) -> Plan:
+    """``fsdp_compose.plan`` with the suite's hang detector as its subprocess deadline (a loaded machine took
+    over plan's own 600 s)."""
+    return _plan(*args, timeout=hang_timeout(), **kwargs)
+
 
 STEPS = 3
 
