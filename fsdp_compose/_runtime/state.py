@@ -126,7 +126,10 @@ class RootState:
 
 # module -> its GroupState. Parameters are marked with an attribute instead of a weak-keyed
 # registry: torch.utils.swap_tensors (used by module.to_empty) refuses tensors with weakrefs.
-_module_states: weakref.WeakKeyDictionary[nn.Module, GroupState] = weakref.WeakKeyDictionary()
+# The values are weak too: a state holds its modules (``GroupState.modules``), and a strong value would keep
+# its key alive for ever (every sharded model leaked). The module holds its state through its hooks.
+_module_states: weakref.WeakKeyDictionary[nn.Module, weakref.ref[GroupState]] = weakref.WeakKeyDictionary()
+_NO_STATE = lambda: None  # noqa: E731 - what an unregistered module's entry reads as
 _OWNER_ATTR = "_fsdp_compose_owner"
 _UNOWNED = (lambda: None, None)  # the mark a parameter no group owns reads as
 # set in the own namespace of FSDPModule and of the subclasses fully_shard swaps in: names skip them
@@ -144,7 +147,7 @@ def class_name(module: nn.Module) -> str:
 
 
 def state_of(module: nn.Module) -> GroupState | None:
-    return _module_states.get(module)
+    return _module_states.get(module, _NO_STATE)()
 
 
 def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
@@ -155,7 +158,7 @@ def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
     """
     found, seen = [], set()
     for name, m in module.named_modules():
-        state = _module_states.get(m)
+        state = _module_states.get(m, _NO_STATE)()
         if state is not None and state not in seen:
             seen.add(state)
             found.extend((name, s) for s in state.call_states)
@@ -165,7 +168,7 @@ def states_in(module: nn.Module) -> list[tuple[str, GroupState]]:
 def register_state(state: GroupState) -> None:
     """Register a call's first state on its modules (its companions are reached through it)."""
     for module in state.modules:
-        _module_states[module] = state
+        _module_states[module] = weakref.ref(state)
 
 
 def owner_of(param: nn.Parameter) -> GroupState | None:

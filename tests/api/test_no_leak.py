@@ -42,3 +42,22 @@ def test_live_tensor_bytes_stay_flat_over_500_steps():
     for samples in run_on_ranks(2, _live_bytes_over_steps):
         assert samples[0] > 0
         assert max(samples) == samples[0], samples  # nothing accumulates step after step
+
+
+def test_a_sharded_model_is_freed_once_dropped(single_rank_group) -> None:
+    """The module -> state registry holds neither: a state holds its modules, so a strong value kept every
+    sharded model alive for ever (a benchmark loading 11 models of 1.4 GiB was killed for memory). Not yet
+    after a training step: something else still holds such a model (issue to file)."""
+    import weakref
+
+    from torch import nn
+
+    from fsdp_compose import fully_shard
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    fully_shard(model[0])
+    fully_shard(model)
+    alive = weakref.ref(model)
+    del model
+    gc.collect()
+    assert alive() is None

@@ -196,7 +196,8 @@ def test_a_rank_that_skipped_backward_is_named_at_once(mode):
     """Rank 1 skips ``backward()`` once; on gloo both the default and ``strict`` check reduce-scatters too,
     so both ranks raise at once.
 
-    Rank 0's backward starts with the reduce-scatter of the root group while rank 1, already in
+    Rank 0's backward starts with the reduce-scatter of ``big`` (the root's waits for the outputs of the
+    modules its forward called: [Note: nested outputs]) while rank 1, already in
     the next forward, all-gathers ``small``. When the default mode checked all-gathers only,
     that reduce-scatter met rank 1's order check unchecked, the ranks' collectives stayed
     misaligned, and both failed only when the process group's timeout expired: in each of 8 runs
@@ -213,7 +214,7 @@ def test_a_rank_that_skipped_backward_is_named_at_once(mode):
         error0,
         """\
 ExecutionOrderError: Ranks diverged: they were about to run different collectives of sharded modules (a rank skipped a sharded module, ran a different number of forward calls, or ran modules in another order; check data-dependent control flow):
-  rank 0: reduce-scatter of '<root>' (LastKeptWhole), 60 bytes
+  rank 0: reduce-scatter of 'big' (Linear), 128 bytes
   rank 1: all-gather of 'small' (Linear), 40 bytes
 (reduce-scatters, and HSDP's all-reduces across replicas, run when a module's backward is done: ranks reach different ones when a rank skipped or repeated backward(), ran a different number of micro-batches without gradient sync, or computed no gradient this step for some parameters of a module it ran, e.g. skipped computation or an unused branch or expert; such a rank reduces that module only when backward ends)""",
     )
