@@ -20,7 +20,9 @@ from tests.extras.observe.live_storage import LiveStorage
 from tests.harness import hang_timeout, run_on_ranks
 from tests.extras.observe.estimate_jobs import JOBS, LM, fake_built, fp32
 
-CASES = [(name, world) for name in JOBS for world in (2, 3)]
+ALL_CASES = [(name, world) for name in JOBS for world in (2, 3)]
+DEFAULT_CASES = [("fp32", 2), ("bf16_mixed", 3)]  # the rest run with the slow tests
+CASES = [case if case in DEFAULT_CASES else pytest.param(*case, marks=pytest.mark.slow) for case in ALL_CASES]
 
 
 def _real_step(name: str) -> dict:
@@ -41,24 +43,40 @@ def _real_step(name: str) -> dict:
 
 @pytest.fixture(scope="module")
 def estimates():
-    """Every (configuration, world size, rank 0 and last) estimated in one subprocess, started at once
-    and collected when a test needs it, so it runs while the real gloo steps run."""
-    jobs = [(JOBS[name], world, rank) for name, world in CASES for rank in (0, world - 1)]
-    jobs += [(fp32, 2, 0, "nccl"), (fake_built, 2, 0)]
+    """The default cases (rank 0 and last) estimated in one subprocess, started at once and collected when a
+    test needs them, so it runs while the real gloo steps run; the slow cases in another, started when the
+    first of them asks (``estimates(slow=True)``)."""
+
+    def jobs_of(cases: list) -> list:
+        return [(JOBS[name], world, rank) for name, world in cases for rank in (0, world - 1)]
+
+    batches = {
+        False: jobs_of(DEFAULT_CASES) + [(fp32, 2, 0, "nccl"), (fake_built, 2, 0)],
+        True: jobs_of([case for case in ALL_CASES if case not in DEFAULT_CASES]),
+    }
     with ThreadPoolExecutor(1) as pool:
-        future = pool.submit(estimate_many, jobs, like="gloo", timeout=hang_timeout())
+        futures = {}
 
-        def get() -> dict:
-            return {(e.world_size, e.rank, build.__name__, e.like): e for (build, *_), e in zip(jobs, future.result())}
+        def start(slow: bool) -> None:
+            if slow not in futures:
+                futures[slow] = pool.submit(estimate_many, batches[slow], like="gloo", timeout=hang_timeout())
 
+        def get(slow: bool = False) -> dict:
+            start(slow)
+            done = futures[slow].result()
+            return {(e.world_size, e.rank, build.__name__, e.like): e for (build, *_), e in zip(batches[slow], done)}
+
+        start(False)
         yield get
+        for future in futures.values():
+            future.cancel()
 
 
 @pytest.mark.parametrize("name, world", CASES)
 def test_estimated_peak_and_traffic_match_a_real_run(estimates, name, world):
     reals = run_on_ranks(world, _real_step, name)
     for rank in (0, world - 1):  # every rank but the last holds the same shards as rank 0
-        real, e = reals[rank], estimates()[(world, rank, name, "gloo")]
+        real, e = reals[rank], estimates(slow=(name, world) not in DEFAULT_CASES)[(world, rank, name, "gloo")]
         assert e.collectives == real["traffic"], (rank, e.collectives, real["traffic"])
         # never low; within 5% but for gloo's all-gather buffers, whose life its threads decide (test_never_low)
         where = (name, world, rank, e.peak_bytes, e.settled_peak_bytes, real["peak"])
