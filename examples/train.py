@@ -23,7 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+# this example's gpt.py, and this checkout's fsdp_compose even where an install points elsewhere (an editable
+# install of another checkout: the example then failed at its first import)
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from gpt import GPT, GPTConfig, lm_loss, synthetic_batch  # noqa: E402
 
 from fsdp_compose import (  # noqa: E402
