@@ -226,6 +226,19 @@ def _beyond_operators(timeline: CollectiveTimeline):
             setattr(cls, name, original)
 
 
+@contextmanager
+def backend_paths(like: str):
+    """On the fake process group, the runtime takes ``like``'s paths: for "gloo", the reduce-scatters that wait
+    for the next handshake (the backend name is what the runtime reads to choose them)."""
+    get_backend = dist.get_backend
+    if like == "gloo":
+        dist.get_backend = lambda group=None: "gloo" if get_backend(group) == "fake" else get_backend(group)
+    try:
+        yield
+    finally:
+        dist.get_backend = get_backend
+
+
 def _fake_mode_of(model: nn.Module):
     """The ``FakeTensorMode`` the model's parameters were made in, if they are FakeTensors."""
     for p in model.parameters():
@@ -237,43 +250,46 @@ def _fake_mode_of(model: nn.Module):
 
 
 def run(spec: dict) -> dict:
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     warnings.simplefilter("ignore")
     world, rank = spec["world_size"], spec["rank"]
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    get_backend = dist.get_backend
-    if spec["like"] == "gloo":  # the runtime takes gloo's paths (reduce-scatters wait for the next handshake)
-        dist.get_backend = lambda group=None: "gloo" if get_backend(group) == "fake" else get_backend(group)
     try:
-        earlier = {key: weakref.ref(t) for key, t in _tensors_now().items()}  # earlier jobs' leftovers
-        started = time.perf_counter()
-        model, optimizer, loss_fn = unpack(load_build(spec)())
-        built = time.perf_counter()
-        # a model built under FakeTensorMode (as torchtitan's estimator builds) steps in that mode
-        with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device="cpu")  # meta or real parameters become fake ones; values do not matter
-            if not isinstance(optimizer, torch.optim.Optimizer):
-                optimizer = optimizer(model.parameters())
-            # the first step records the order and makes the optimizer state; it is measured too
-            like = spec["like"]
-            steps = [measured_step(model, optimizer, loss_fn, like, earlier) for _ in range(spec["warmup_steps"])]
-            plan = explain(model, optimizer)
-            result = _highest([*steps, measured_step(model, optimizer, loss_fn, like, earlier)])
-        result.update(
-            world_size=world,
-            rank=rank,
-            plan=str(plan),
-            predicted_peak_bytes=plan.totals.predicted_peak_bytes,
-            build_seconds=round(built - started, 2),
-            step_seconds=round((time.perf_counter() - built) / (spec["warmup_steps"] + 1), 2),
-            seconds=round(time.perf_counter() - started, 2),
-        )
-        return result
+        with backend_paths(spec["like"]):
+            return _measured_job(spec, world, rank)
     finally:
-        dist.get_backend = get_backend
         dist.destroy_process_group()
+
+
+def _measured_job(spec: dict, world: int, rank: int) -> dict:
+    """The job's build, warm-up steps and measured step, under the fake process group ``run`` set up."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    earlier = {key: weakref.ref(t) for key, t in _tensors_now().items()}  # earlier jobs' leftovers
+    started = time.perf_counter()
+    model, optimizer, loss_fn = unpack(load_build(spec)())
+    built = time.perf_counter()
+    # a model built under FakeTensorMode (as torchtitan's estimator builds) steps in that mode
+    with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
+        model.to_empty(device="cpu")  # meta or real parameters become fake ones; values do not matter
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(model.parameters())
+        # the first step records the order and makes the optimizer state; it is measured too
+        like = spec["like"]
+        steps = [measured_step(model, optimizer, loss_fn, like, earlier) for _ in range(spec["warmup_steps"])]
+        plan = explain(model, optimizer)
+        result = _highest([*steps, measured_step(model, optimizer, loss_fn, like, earlier)])
+    result.update(
+        world_size=world,
+        rank=rank,
+        plan=str(plan),
+        predicted_peak_bytes=plan.totals.predicted_peak_bytes,
+        build_seconds=round(built - started, 2),
+        step_seconds=round((time.perf_counter() - built) / (spec["warmup_steps"] + 1), 2),
+        seconds=round(time.perf_counter() - started, 2),
+    )
+    return result
 
 
 def main(argv: list[str]) -> None:

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ... import FSDPModule, MixedPrecisionPolicy
 from ...extras_api import group_facts, group_of, groups_in
-from ..observe.fake_step import _fake_mode_of, _step, _tensors_now, load_build
+from ..observe.fake_step import _fake_mode_of, _step, _tensors_now, backend_paths, load_build
 from .config import UNITS, Config, apply_config
 from .measure import Measured, highest, measure
 from .search import CHOSEN, COSTLIER, FITS, Calibration, Rates, configurations, groupings, price, rank
@@ -161,16 +161,13 @@ def run(spec: dict) -> dict:
 
     warnings.simplefilter("ignore")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=spec["world_size"])
-    get_backend = dist.get_backend
-    if spec["like"] == "gloo":  # the runtime takes gloo's paths, as in estimate's fake step
-        dist.get_backend = lambda group=None: "gloo" if get_backend(group) == "fake" else get_backend(group)
     started = time.perf_counter()
     try:
-        result = search(spec)
+        with backend_paths(spec["like"]):  # the runtime takes gloo's paths, as in estimate's fake step
+            result = search(spec)
     except _BadBuild as error:
         result = {"error": {"kind": error.kind, "message": str(error)}}
     finally:
-        dist.get_backend = get_backend
         dist.destroy_process_group()
     result["seconds"] = round(time.perf_counter() - started, 2)
     return result
