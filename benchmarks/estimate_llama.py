@@ -100,14 +100,10 @@ class Llama(nn.Module):
         return self.output(self.norm(x))
 
 
-def train_job(cfg: LlamaConfig):
-    """What a training script does before its loop, unchanged, ending in what estimate needs."""
+def unsharded_job(cfg: LlamaConfig):
+    """The model on meta, unsharded, a function making the optimizer, the loss of a batch (what plan needs)."""
     with torch.device("meta"):
         model = Llama(cfg)
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
 
     def loss_fn() -> torch.Tensor:
         ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
@@ -115,6 +111,16 @@ def train_job(cfg: LlamaConfig):
         return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
 
     return model, lambda params: torch.optim.AdamW(params, lr=3e-4), loss_fn
+
+
+def train_job(cfg: LlamaConfig):
+    """What a training script does before its loop, unchanged, ending in what estimate needs."""
+    model, make_optimizer, loss_fn = unsharded_job(cfg)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    return model, make_optimizer, loss_fn
 
 
 def llama3_8b():
@@ -125,7 +131,7 @@ def llama3_70b():
     return train_job(LLAMA3_70B)
 
 
-def _children_cpu() -> float:
+def children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
 
@@ -134,11 +140,11 @@ def main(which: list[str]) -> None:
     for name, build, world in (("8b", llama3_8b, 64), ("70b", llama3_70b, 512)):
         if which and name not in which:
             continue
-        began, cpu = time.perf_counter(), _children_cpu()
+        began, cpu = time.perf_counter(), children_cpu()
         result = estimate(build, world_size=world)
         print(
             f"=== Llama 3 {name.upper()} at world size {world}: estimated in {time.perf_counter() - began:.1f} s "
-            f"({_children_cpu() - cpu:.1f} s of CPU in the subprocess)"
+            f"({children_cpu() - cpu:.1f} s of CPU in the subprocess)"
         )
         print(result)
         print()

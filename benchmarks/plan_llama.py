@@ -14,31 +14,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import resource
 import sys
 import time
 
 import torch
-import torch.nn.functional as F
 
-from benchmarks.estimate_llama import LLAMA3_8B, LLAMA3_70B, Llama, LlamaConfig
+from benchmarks.estimate_llama import LLAMA3_8B, LLAMA3_70B, children_cpu, unsharded_job
 from fsdp_compose import MixedPrecisionPolicy, plan
 
 MP = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 LLAMA3_70B_PLANNED = dataclasses.replace(LLAMA3_70B, checkpointed=False)  # plan chooses what to checkpoint
-
-
-def unsharded_job(cfg: LlamaConfig):
-    """What plan needs: the model on meta, unsharded, a function making the optimizer, the loss of a batch."""
-    with torch.device("meta"):
-        model = Llama(cfg)
-
-    def loss_fn() -> torch.Tensor:
-        ids = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1))
-        logits = model(ids[:, :-1])
-        return F.cross_entropy(logits.flatten(0, 1).float(), ids[:, 1:].flatten())
-
-    return model, lambda params: torch.optim.AdamW(params, lr=3e-4), loss_fn
 
 
 def llama3_8b():
@@ -49,19 +34,14 @@ def llama3_70b():
     return unsharded_job(LLAMA3_70B_PLANNED)
 
 
-def _children_cpu() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def main(argv: list[str]) -> None:
     name, world, budget = (argv + ["8b", "64", "16GiB"][len(argv):])[:3]
     build = {"8b": llama3_8b, "70b": llama3_70b}[name]
-    began, cpu = time.perf_counter(), _children_cpu()
+    began, cpu = time.perf_counter(), children_cpu()
     chosen = plan(build, world_size=int(world), budget=budget, mp_policy=MP, device="cuda", timeout=3600)
     print(
         f"=== Llama 3 {name.upper()} at world size {world}, budget {budget}: planned in "
-        f"{time.perf_counter() - began:.1f} s ({_children_cpu() - cpu:.1f} s of CPU in the subprocess; "
+        f"{time.perf_counter() - began:.1f} s ({children_cpu() - cpu:.1f} s of CPU in the subprocess; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)"
     )
     print(chosen.summary())
