@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -345,7 +346,7 @@ def _build_state(
     group = ParamGroup(list(sharded.values()), mesh, device, class_name(modules[0]), settings, post_forward)
     state = GroupState(modules=modules, group=group, settings=settings)
     for index, (original, sp) in enumerate(sharded.items()):
-        sp.on_grad_accumulated = partial(on_grad_accumulated, state, index)  # a post-accumulate-grad hook
+        sp.on_grad_accumulated = partial(on_grad_accumulated, weakref.ref(state), index)  # a post-accumulate-grad hook
         sp.use(unsharded=False)
         register_owner(original, state, replaced_at=sp.fqn)  # the optimizer check names it (optimizer_check.py)
         register_owner(sp.sharded_param, state)

@@ -8,6 +8,8 @@ unsharded weights, frozen ones included. The end of backward finishes the rest.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch.autograd.graph import get_gradient_edge
 
@@ -140,8 +142,15 @@ def _prefetched_in_backward(state: GroupState) -> list[GroupState]:
     return [t for t in backward_prefetch_targets(state.root, state) if t.settings.unshard_in_backward]
 
 
-def on_grad_accumulated(state: GroupState, index: int, _param=None) -> None:
-    """Post-accumulate-grad hook of the unsharded parameter ``index`` of the group."""
+def on_grad_accumulated(state_ref: weakref.ref[GroupState], index: int, _param=None) -> None:
+    """Post-accumulate-grad hook of the unsharded parameter ``index`` of the group.
+
+    It holds its state weakly: torch keeps a tensor's hooks where Python's cycle collector cannot see them,
+    so a hook holding the state (which holds the tensor) kept every model that had trained a step alive.
+    """
+    state = state_ref()
+    if state is None:
+        return
     root = state.root
     state.grads_ready.add(index)
     if root is not None and root.graph_only:

@@ -49,7 +49,7 @@ def _reduce_scatter() -> tuple[int, int, int]:
     with LiveStorage() as live, tracker:
         table = torch.ones(3 * 1000)  # 12000 bytes, every rank's rows
         out = torch.empty(1000)  # 4000
-        work = dist.reduce_scatter_single(out, table, async_op=True)
+        work = dist.reduce_scatter_tensor(out, table, async_op=True)
         del table
         work.wait()
         del work
