@@ -2,10 +2,12 @@
 
 Same dtype: the bytes go straight into the shard. Another dtype (bf16 files, fp32 parameters): through one
 scratch buffer of at most ``CHUNK`` bytes, reused for every tensor of the load, each chunk converted into its
-place in the shard while it is still in the cache. A scratch buffer per tensor (the earlier way) is fresh
-memory each time: the kernel zero-fills every page of it before the read overwrites them, half again the
-page faults the shards' own first touch costs (bf16 into fp32). The reused one adds at most ``CHUNK`` to a
-load's peak RSS.
+place in the shard while it is still in the core's own cache (1 MiB here: a 16 MiB chunk, past that cache,
+loaded a 1.4 GB Llama at 2 ranks in 0.80 s against 0.69 to 0.72 s). A scratch buffer per tensor (the earlier
+way) is fresh memory each time: the kernel zero-fills every page of it before the read overwrites them, half
+again the page faults the shards' own first touch costs (bf16 into fp32). The reused one adds at most
+``CHUNK`` to a load's peak RSS. Reading with ``pread`` rather than through a memory map costs that one copy
+from the page cache, and keeps a file truncated while it is read an error rather than a ``SIGBUS``.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from .checkpoint_dir import refused
 from .local_region import Region
 from .safetensors_file import TensorEntry
 
-CHUNK = 16 * 2**20  # bytes of file data per read when converting: fits a cache, a bound on the scratch's RSS
+CHUNK = 2**20  # bytes of file data per read when converting: fits a core's L2 cache; bounds the scratch's RSS
 
 
 class RegionReader:
