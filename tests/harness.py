@@ -119,15 +119,13 @@ class RankPool:
         deadline = time.monotonic() + timeout
         while len(outcomes) < self.world_size:
             remaining = deadline - time.monotonic()
-            if any(not ok for ok, _ in outcomes.values()):
-                remaining = min(remaining, 5.0)  # peers of a failed rank may be stuck in a collective
-            try:
-                rank, ok, value = self._results.get(timeout=max(0.05, remaining))
+            try:  # a second at a time: a rank that died (at start too: a bad import) is seen at once
+                rank, ok, value = self._results.get(timeout=max(0.05, min(remaining, 1.0)))
                 outcomes[rank] = (ok, value)
+                if not ok:  # its peers may be stuck in a collective: 5 s more for them
+                    deadline = min(deadline, time.monotonic() + 5.0)
             except queue.Empty:
-                if time.monotonic() >= deadline or any(not ok for ok, _ in outcomes.values()):
-                    break
-                if not all(p.is_alive() for p in self._procs):
+                if time.monotonic() >= deadline or not all(p.is_alive() for p in self._procs):
                     break
         failed = {r: v for r, (ok, v) in outcomes.items() if not ok}
         missing = [r for r in range(self.world_size) if r not in outcomes]

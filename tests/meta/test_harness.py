@@ -63,3 +63,22 @@ def test_a_dead_rank_is_reported_with_its_exit_code():
         run_on_ranks(2, _rank_one_dies)
     assert "rank 1 died with exit code -6" in str(info.value), str(info.value)
     assert run_on_ranks(2, _rank) == [0, 1]
+
+
+def _every_rank_exits():
+    import os
+
+    os._exit(3)  # no exception, no result, no peer left waiting: as a rank that fails to start
+
+
+@pytest.mark.slow  # kills its pool: the next test starts new workers
+def test_ranks_that_all_die_are_reported_at_once():
+    """Nothing is left to raise or time out: the results queue is read a second at a time, so the deaths
+    show within seconds (a single read for the whole time-out took the full 10 minutes)."""
+    run_on_ranks(2, _rank)  # start the workers first: under load that alone can take seconds
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        run_on_ranks(2, _every_rank_exits)
+    assert time.monotonic() - start < DEFAULT_TIMEOUT_S / 10, time.monotonic() - start
+    assert "rank 0 died with exit code 3" in str(info.value) and "rank 1 died with exit code 3" in str(info.value)
+    assert run_on_ranks(2, _rank) == [0, 1]
