@@ -51,17 +51,17 @@ def single_rank_group():
     yield
 
 
+# the longest test takes about 190 s on a quiet 2-core machine; a never-low case measured three times, 430 s
+HANG_LIMIT_S = hang_timeout(1800)
+
+
 class HungTest(AssertionError):
-    """A test ran past ``hang_timeout(1800)``: something waits for ever."""
+    """A test ran past ``HANG_LIMIT_S``: something waits for ever."""
 
 
 def _raise_hung(signum, frame) -> None:
     faulthandler.dump_traceback(file=sys.__stderr__, all_threads=True)
     raise HungTest(f"still running after {HANG_LIMIT_S:.0f} s: a hang (every thread's stack is on stderr)")
-
-
-# the longest test takes about 190 s on a quiet 2-core machine; a never-low case measured three times, 430 s
-HANG_LIMIT_S = hang_timeout(1800)
 
 
 @pytest.fixture(autouse=True)

@@ -98,17 +98,13 @@ def estimates():
     pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _in_band(reals: list[int], found) -> bool:
-    return all(real <= e.peak_bytes <= 1.05 * real for real, e in zip(reals, found))
-
-
 def _check(estimates, name: str, world: int) -> None:
-    found = estimates(name, world)
-    for _ in range(RUNS):
+    estimated = estimates(name, world)
+    for _ in range(RUNS):  # up to RUNS real runs, until one lies in the band on every rank
         reals = run_on_ranks(world, _real_peak, name, timeout=600)
-        if _in_band(reals, found):
+        if all(real <= e.peak_bytes <= 1.05 * real for real, e in zip(reals, estimated)):
             break
-    found = list(zip(reals, found))
+    found = list(zip(reals, estimated))
     RATIOS[(name, world)] = [
         (e.peak_bytes / real, e.settled_peak_bytes / real, e.predicted_peak_bytes / e.peak_without_activations)
         for real, e in found
