@@ -299,3 +299,9 @@ def test_every_cited_test_exists() -> None:
         elif name and not re.search(rf"^\s*(?:async )?def {name}\b", (REPO / path).read_text(), re.M):
             missing.append(ref)
     assert cited and not missing, missing
+
+
+def test_benchmarks_page_stays_a_page() -> None:
+    """docs/benchmarks.md is what a user reads (results, how to rerun them), not a log: at most 300 lines."""
+    lines = (REPO / "docs" / "benchmarks.md").read_text().splitlines()
+    assert len(lines) <= 300, len(lines)
