@@ -188,7 +188,7 @@ class ParamGroup:
             targets = [t for p in self.params for t in p.form.targets(p)]
             if rows != self.world_size:
                 targets = [t.view(rows, -1) for t in targets]
-            copy_out(gathered, layout, targets)
+            copy_out(gathered, layout, targets, self.settings.all_gather)
             slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
             for p in self.params:
                 p.form.finish(p, slice_follows)

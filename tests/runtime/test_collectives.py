@@ -10,7 +10,13 @@ from expecttest import assert_expected_inline
 from torch.distributed import ProcessGroup
 
 from fsdp_compose import FSDPModule
-from fsdp_compose._runtime.collectives import GATHER_METHOD, SCATTER_METHOD
+from fsdp_compose._runtime.collectives import (
+    DIRECT_ALL_GATHER,
+    GATHER_METHOD,
+    SCATTER_METHOD,
+    GatherLayout,
+    copy_out,
+)
 from tests.harness import run_on_ranks
 from tests.models import TinyLM, lm_loss, shard_blocks_then_root
 
@@ -200,3 +206,17 @@ def test_one_rank_sends_nothing(single_rank_group):
     reference(x).sum().backward()
     for p, ref in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), ref.grad, atol=1e-6, rtol=0)
+
+
+def test_copy_out_frees_a_cpu_gather_buffer_that_a_finished_work_still_holds():
+    """gloo's worker thread keeps a finished work, and the output it refers to, until it next runs: the
+    copy-out frees a CPU buffer itself, so the step's peak does not wait on that thread. A buffer a custom
+    ``comm`` allocated stays its own."""
+    layout = GatherLayout([2, 1], world_size=2)
+    for comm, freed in ((DIRECT_ALL_GATHER, True), (object(), False)):
+        gathered = torch.arange(6.0).view(2, 3)
+        held_by_work = gathered.view(-1)  # what a finished work still refers to
+        targets = [torch.empty(2, 2), torch.empty(2, 1)]
+        copy_out(gathered, layout, targets, comm)
+        assert targets[0].tolist() == [[0.0, 1.0], [3.0, 4.0]] and targets[1].tolist() == [[2.0], [5.0]]
+        assert (held_by_work.untyped_storage().nbytes() == 0) == freed, comm
