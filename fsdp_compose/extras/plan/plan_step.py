@@ -17,7 +17,6 @@ import pickle
 import sys
 import time
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -28,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ... import FSDPModule, MixedPrecisionPolicy
 from ...extras_api import group_facts, group_of, groups_in
-from ..observe.fake_step import _fake_mode_of, _step, _tensors_now, backend_paths, load_build
+from ..observe.fake_step import _earlier_tensors, _fake_mode_of, _step, backend_paths, load_build
 from .config import UNITS, Config, apply_config
 from .measure import Measured, highest, measure
 from .search import CHOSEN, COSTLIER, FITS, Calibration, Rates, configurations, groupings, price, rank
@@ -85,7 +84,7 @@ def fake_steps(build, units: Units, config: Config, mp_policy, like: str, checkp
 
     Returns the measurements (checkpointed, then plain), the model's group count, each unit's all-gather
     bytes per call and this rank's shard bytes."""
-    earlier = {key: weakref.ref(t) for key, t in _tensors_now().items()}  # the previous builds' leftovers
+    earlier = _earlier_tensors()  # the previous builds' leftovers
     model, make_optimizer, loss_fn = call_build(build)
     switches = apply_config(model, units, config, mp_policy, checkpoint_all)
     with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
