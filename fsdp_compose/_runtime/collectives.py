@@ -232,19 +232,16 @@ def all_gather_flat(
     return work, output.view(layout.world_size, -1)
 
 
-def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.Tensor], comm=DIRECT_ALL_GATHER) -> None:
-    """Split the gathered columns into each parameter's (world, padded) target, then free a CPU buffer.
-
-    On the CPU the buffer is freed here, not by its last reference: gloo's worker thread keeps a finished
-    work, and the output it refers to, until the thread next runs, which under load comes after the caller's
-    next allocations (a peak one gathered group above the step's). A device buffer waits for its last
-    reference, as the caching allocator's stream order needs, and a buffer ``comm`` allocated is its own.
-    """
+def copy_out(gathered: torch.Tensor, layout: GatherLayout, targets: list[torch.Tensor], free: bool = False) -> None:
+    """Split the gathered columns into each parameter's (world, padded) target; ``free``: then free the
+    buffer's storage, whoever still refers to it (a CPU buffer on gloo, whose worker thread keeps a finished
+    work, and the output it refers to, until the thread next runs: under load after the caller's next
+    allocations, a peak one gathered group above the step's)."""
     if len(targets) == 1:
         targets[0].copy_(gathered)
     else:
         torch.split_with_sizes_copy(gathered, layout.sizes, dim=1, out=targets)
-    if comm is DIRECT_ALL_GATHER and gathered.device.type == "cpu":
+    if free:
         gathered.untyped_storage().resize_(0)
 
 

@@ -12,6 +12,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 from .collectives import (
+    DIRECT_ALL_GATHER,
     CommStats,
     GatherLayout,
     PendingCollective,
@@ -104,7 +105,7 @@ class ParamGroup:
         self._reduce_plan: list[Reduction] | None = None  # built by the first reduce (``reduce_plan``)
         self.device = device
         self._all_present: dict = {}  # reduce dtype -> its cached flag rows
-        self._flag_reads: dict[object, bool] = {}  # reduce process group -> whether its flags are read back
+        self._gloo: dict[object, bool] = {}  # process group -> whether it is gloo's (``_on_gloo``)
         self._divisors: dict[float, torch.Tensor] = {}  # see _divisor
         # all-gather and reduce-scatter within the shard dim (the last); HSDP adds an
         # all-reduce of the reduced shards across the replicate dim
@@ -174,7 +175,7 @@ class ParamGroup:
                 work, gathered = all_gather_flat(
                     pieces, layout, group, self.stats, self.settings.all_gather, rank, layout.total
                 )
-        finish = partial(self._finish_unshard, gathered, layout, rows)
+        finish = partial(self._finish_unshard, gathered, layout, rows, self._frees_gathered(group, gathered))
         self.pending_unshard = PendingCollective(work, finish, name=lambda: f"the all-gather of {self.label}")
 
     @property
@@ -183,12 +184,12 @@ class ParamGroup:
         return self.class_name if self.fqn is None else f"'{self.fqn}' ({self.class_name}){self.mesh_text}"
 
     @outside_transforms
-    def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int) -> None:
+    def _finish_unshard(self, gathered: torch.Tensor, layout: GatherLayout, rows: int, free: bool) -> None:
         with grad_off(), labelled("copy_out", self):  # into (world, padded bytes) targets, one per extension input
             targets = [t for p in self.params for t in p.form.targets(p)]
             if rows != self.world_size:
                 targets = [t.view(rows, -1) for t in targets]
-            copy_out(gathered, layout, targets, self.settings.all_gather)
+            copy_out(gathered, layout, targets, free)
             slice_follows = self.post_forward is not None and rows == self.world_size  # kept after forward
             for p in self.params:
                 p.form.finish(p, slice_follows)
@@ -326,12 +327,21 @@ class ParamGroup:
                 accumulate_grad(p, reduced.as_strided(rows.comm_local_shape, rows.comm_local_strides, offset))
             offset += rows.padded_numel
 
+    def _on_gloo(self, group) -> bool:
+        """Whether ``group`` (``None``: the default one) is gloo's, looked up once per group."""
+        found = self._gloo.get(group)
+        if found is None:
+            found = self._gloo[group] = dist.get_backend(group) == "gloo"
+        return found
+
     def _reads_flags(self, group) -> bool:
-        """Whether reductions on ``group`` read the has-gradient flags back: on gloo only (looked up once per group)."""
-        reads = self._flag_reads.get(group)
-        if reads is None:
-            reads = self._flag_reads[group] = group is None or dist.get_backend(group) == "gloo"
-        return reads
+        """Whether reductions on ``group`` read the has-gradient flags back: on gloo only."""
+        return group is None or self._on_gloo(group)
+
+    def _frees_gathered(self, group, gathered: torch.Tensor) -> bool:
+        """Whether the copy-out frees the all-gather's buffer itself: a CPU buffer of ours on gloo (``copy_out``).
+        Elsewhere its last reference frees it: the caching allocator's stream order needs that on a device."""
+        return self._on_gloo(group) and gathered.device.type == "cpu" and self.settings.all_gather is DIRECT_ALL_GATHER
 
     def _divisor(self, value: float, dtype: torch.dtype) -> float | torch.Tensor:
         """``value`` as a cached 0-dim fp32 CPU tensor for fp32 gradients (same kernel path, bit-identical,

@@ -210,13 +210,28 @@ def test_one_rank_sends_nothing(single_rank_group):
 
 def test_copy_out_frees_a_cpu_gather_buffer_that_a_finished_work_still_holds():
     """gloo's worker thread keeps a finished work, and the output it refers to, until it next runs: the
-    copy-out frees a CPU buffer itself, so the step's peak does not wait on that thread. A buffer a custom
-    ``comm`` allocated stays its own."""
+    copy-out frees a CPU buffer on gloo itself, so the step's peak does not wait on that thread."""
     layout = GatherLayout([2, 1], world_size=2)
-    for comm, freed in ((DIRECT_ALL_GATHER, True), (object(), False)):
+    for free in (True, False):
         gathered = torch.arange(6.0).view(2, 3)
         held_by_work = gathered.view(-1)  # what a finished work still refers to
         targets = [torch.empty(2, 2), torch.empty(2, 1)]
-        copy_out(gathered, layout, targets, comm)
+        copy_out(gathered, layout, targets, free)
         assert targets[0].tolist() == [[0.0, 1.0], [3.0, 4.0]] and targets[1].tolist() == [[2.0], [5.0]]
-        assert (held_by_work.untyped_storage().nbytes() == 0) == freed, comm
+        assert (held_by_work.untyped_storage().nbytes() == 0) == free
+
+
+def _frees_gathered_here() -> list[bool]:
+    from fsdp_compose._runtime.state import state_of
+
+    model = TinyLM()
+    shard_blocks_then_root(model)
+    group = state_of(model.blocks[0]).group
+    on = group.process_group
+    return [group._frees_gathered(on, torch.empty(2)), group._frees_gathered(on, torch.empty(2, device="meta"))]
+
+
+def test_only_a_cpu_buffer_on_gloo_is_freed_at_the_copy_out():
+    """gloo's CPU buffers only: a device buffer's last reference frees it (the caching allocator's stream order
+    needs that), and other backends hold no finished work on a thread of their own."""
+    assert run_on_ranks(2, _frees_gathered_here) == [[True, False]] * 2

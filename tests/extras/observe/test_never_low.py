@@ -14,9 +14,9 @@ every run, and the check is that the real peak lies between them. The estimate: 
 ``test_ratio_table`` prints every ratio (``pytest -s``).
 
 A finished gloo work keeps the tensors it refers to until its worker thread next runs, late under load: the
-runtime frees a CPU all-gather's output at the copy-out for that reason (with it kept, ``reshard_after_forward
-=False`` at 8 ranks peaked one gathered block, 186 KB, above the estimate on 5 of 768 rank-steps under load;
-none of 624 since).
+runtime frees a CPU all-gather's output on gloo at the copy-out for that reason (with it kept,
+``reshard_after_forward=False`` at 8 ranks peaked one gathered block, 186 KB, above the estimate on 5 of 768
+rank-steps under load; none of 624 since).
 gloo's own copy of a reduce-scatter's input is the work's, which nothing outside gloo can free (seen late
 once: one huge group among tiny ones at 3 ranks, +0.9%, with a load of 30 on 2 cores): ``RUNS``.
 """
