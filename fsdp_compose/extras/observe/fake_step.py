@@ -149,20 +149,24 @@ def measured_step(
 
 
 def _tensors_now() -> dict[int, torch.Tensor]:
-    """Every tensor object alive in this process, by ``id`` (but those ``_earlier_tensors`` set aside)."""
+    """Every tensor object alive in this process, by ``id`` (but those ``earlier_tensors_set_aside`` froze)."""
     gc.collect()
     return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
 
 
-def _earlier_tensors() -> dict[int, weakref.ref]:
+@contextmanager
+def earlier_tensors_set_aside():
     """Weak references, by ``id``, to the tensors alive before a job is built (earlier jobs' leftovers), none
-    of which the job's steps count; then every object alive is set aside from later collections
-    (``gc.freeze``): ``_tensors_now`` collects before each fake step, and a collection that walks what torch's
-    imports made (over 200,000 objects) takes about 0.1 s, much less without it. An object set aside is no
-    tensor of the job either way. Called in the estimate and plan subprocesses only."""
+    of which the job's steps count; for the block, every object alive now is set aside from collections
+    (``gc.freeze``, undone after): ``_tensors_now`` collects before each fake step, and a collection that walks
+    what torch's imports made (over 200,000 objects) takes about 0.1 s, much less without it. An object set
+    aside is no tensor of the job either way."""
     earlier = {key: weakref.ref(t) for key, t in _tensors_now().items()}
     gc.freeze()
-    return earlier
+    try:
+        yield earlier
+    finally:
+        gc.unfreeze()
 
 
 def _highest(steps: list[dict]) -> dict:
@@ -277,20 +281,20 @@ def _measured_job(spec: dict, world: int, rank: int) -> dict:
     """The job's build, warm-up steps and measured step, under the fake process group ``run`` set up."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    earlier = _earlier_tensors()  # earlier jobs' leftovers
-    started = time.perf_counter()
-    model, optimizer, loss_fn = unpack(load_build(spec)())
-    built = time.perf_counter()
-    # a model built under FakeTensorMode (as torchtitan's estimator builds) steps in that mode
-    with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")  # meta or real parameters become fake ones; values do not matter
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(model.parameters())
-        # the first step records the order and makes the optimizer state; it is measured too
-        like = spec["like"]
-        steps = [measured_step(model, optimizer, loss_fn, like, earlier) for _ in range(spec["warmup_steps"])]
-        plan = explain(model, optimizer)
-        result = _highest([*steps, measured_step(model, optimizer, loss_fn, like, earlier)])
+    with earlier_tensors_set_aside() as earlier:  # earlier jobs' leftovers
+        started = time.perf_counter()
+        model, optimizer, loss_fn = unpack(load_build(spec)())
+        built = time.perf_counter()
+        # a model built under FakeTensorMode (as torchtitan's estimator builds) steps in that mode
+        with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")  # meta or real parameters become fake ones; values do not matter
+            if not isinstance(optimizer, torch.optim.Optimizer):
+                optimizer = optimizer(model.parameters())
+            # the first step records the order and makes the optimizer state; it is measured too
+            like = spec["like"]
+            steps = [measured_step(model, optimizer, loss_fn, like, earlier) for _ in range(spec["warmup_steps"])]
+            plan = explain(model, optimizer)
+            result = _highest([*steps, measured_step(model, optimizer, loss_fn, like, earlier)])
     result.update(
         world_size=world,
         rank=rank,

@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ... import FSDPModule, MixedPrecisionPolicy
 from ...extras_api import group_facts, group_of, groups_in
-from ..observe.fake_step import _earlier_tensors, _fake_mode_of, _step, backend_paths, load_build
+from ..observe.fake_step import _fake_mode_of, _step, backend_paths, earlier_tensors_set_aside, load_build
 from .config import UNITS, Config, apply_config
 from .measure import Measured, highest, measure
 from .search import CHOSEN, COSTLIER, FITS, Calibration, Rates, configurations, groupings, price, rank
@@ -84,22 +84,22 @@ def fake_steps(build, units: Units, config: Config, mp_policy, like: str, checkp
 
     Returns the measurements (checkpointed, then plain), the model's group count, each unit's all-gather
     bytes per call and this rank's shard bytes."""
-    earlier = _earlier_tensors()  # the previous builds' leftovers
-    model, make_optimizer, loss_fn = call_build(build)
-    switches = apply_config(model, units, config, mp_policy, checkpoint_all)
-    with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
-        model.to_empty(device="cpu")
-        optimizer = make_optimizer(model.parameters())
-        if checkpoint_all:  # the first step records the order and makes the optimizer state
-            _step(model, optimizer, loss_fn, None)
-            measured = [measure(model, optimizer, loss_fn, like, earlier)]
-        else:
-            first = measure(model, optimizer, loss_fn, like, earlier)
-            measured = [highest(first, measure(model, optimizer, loss_fn, like, earlier))]
-        if checkpoint_all:
-            for switch in switches:
-                switch.enabled = False
-            measured.append(measure(model, optimizer, loss_fn, like, earlier))
+    with earlier_tensors_set_aside() as earlier:  # the previous builds' leftovers
+        model, make_optimizer, loss_fn = call_build(build)
+        switches = apply_config(model, units, config, mp_policy, checkpoint_all)
+        with _fake_mode_of(model) or FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            optimizer = make_optimizer(model.parameters())
+            if checkpoint_all:  # the first step records the order and makes the optimizer state
+                _step(model, optimizer, loss_fn, None)
+                measured = [measure(model, optimizer, loss_fn, like, earlier)]
+            else:
+                first = measure(model, optimizer, loss_fn, like, earlier)
+                measured = [highest(first, measure(model, optimizer, loss_fn, like, earlier))]
+            if checkpoint_all:
+                for switch in switches:
+                    switch.enabled = False
+                measured.append(measure(model, optimizer, loss_fn, like, earlier))
     gather = []
     for name in units.names:
         handle = group_of(model.get_submodule(name))

@@ -10,8 +10,8 @@ varies by up to one all-gather staging buffer, freed by one of gloo's threads ju
 caller's next allocation; the estimate counts the later (``peak_bytes``), and ``settled_peak_bytes`` the
 earlier. Where that buffer is over 5% of the peak and real runs were seen to miss the later free
 (``TIMING_WIDER_THAN_5_PERCENT``: the two figures 5% to 15% apart there), no single figure is within 5% of
-every run, and the check is that the real peak lies between them. The estimate: ``estimate(like="gloo")`` for each rank, in one subprocess per batch of cases.
-``test_ratio_table`` prints every ratio (``pytest -s``).
+every run, and the check is that the real peak lies between them. The estimate: ``estimate(like="gloo")``
+for each rank, in one subprocess per batch of cases. ``test_ratio_table`` prints every ratio (``pytest -s``).
 
 A finished gloo work keeps the tensors it refers to until its worker thread next runs, late under load: the
 runtime frees a CPU all-gather's output on gloo at the copy-out for that reason (with it kept,
